@@ -1,0 +1,101 @@
+"""Drafters (proposers): one interface, two small implementations.
+
+    propose(ids, k)  -> Proposal: up to k draft tokens continuing `ids`, with their draft distributions q
+    update(ids)      -> tell the drafter what was committed, so it can roll back its state
+
+A draft model keeps its own KV cache and never re-runs a token it has already seen: after a rejection its cache is
+cropped back to the longest prefix it shares with the committed ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.forward import forward, new_cache, rollback
+from engine.sampling import SamplingParams, sample, warp
+
+
+@dataclass
+class Proposal:
+    ids: list[int]  # up to k draft tokens
+    probs: torch.Tensor | None  # q [len(ids), V] (warped like p); None when the drafter is deterministic
+
+
+class DraftModelProposer:
+    """A smaller model from the same tokenizer family proposes k tokens autoregressively."""
+
+    method = "draft"
+
+    def __init__(self, model, vocab_size: int, params: SamplingParams, generator: torch.Generator | None):
+        self.model = model
+        self.vocab_size = vocab_size  # the target's logits width; q is padded to it
+        self.params = params
+        self.generator = generator
+        self.cache = new_cache(model)
+        self.cached: list[int] = []  # the tokens whose keys/values are in self.cache
+
+    def propose(self, ids: list[int], k: int) -> Proposal:
+        self.update(ids)
+        feed = ids[len(self.cached) :]  # usually 1 or 2 tokens: the last committed ones
+        drafts: list[int] = []
+        probs = []
+        for _ in range(k):
+            logits = forward(self.model, feed, self.cache, keep=1)[-1]  # [V_draft]
+            self.cached += feed
+            if self.params.greedy:
+                token = int(logits.argmax())
+            else:
+                q = warp(logits, self.params)
+                token = sample(q, self.generator)
+                probs.append(q)
+            drafts.append(token)
+            feed = [token]
+        # the last draft token was never fed: it sits in no cache yet
+        q = None if self.params.greedy else self._pad(torch.stack(probs))
+        return Proposal(drafts, q)
+
+    def update(self, ids: list[int]) -> None:
+        keep = _common_prefix(self.cached, ids)
+        if keep < len(self.cached):
+            rollback(self.cache, keep)
+            del self.cached[keep:]
+
+    def _pad(self, q: torch.Tensor) -> torch.Tensor:
+        # A draft whose embedding matrix is narrower than the target's can never propose the extra ids: q = 0 there.
+        if q.shape[-1] < self.vocab_size:
+            q = torch.nn.functional.pad(q, (0, self.vocab_size - q.shape[-1]))
+        return q[..., : self.vocab_size]
+
+
+class NgramProposer:
+    """Prompt lookup: find the latest earlier occurrence of the last n tokens (n from max_n down to min_n) in
+    prompt + output and propose the tokens that followed it. Free to compute, and strong on code edits, RAG and
+    summaries that copy from their input."""
+
+    method = "ngram"
+
+    def __init__(self, min_n: int = 1, max_n: int = 4):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}..{max_n}")
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, ids: list[int], k: int) -> Proposal:
+        for n in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
+            tail = ids[-n:]
+            for start in range(len(ids) - n - 1, -1, -1):
+                if ids[start : start + n] == tail:
+                    return Proposal(ids[start + n : start + n + k], None)
+        return Proposal([], None)
+
+    def update(self, ids: list[int]) -> None:
+        pass
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

@@ -1,0 +1,98 @@
+"""The one event vocabulary that flows from the engines to the pixels and to the database.
+
+Terms follow Leviathan et al. and vLLM's rejection sampler. In one speculation step the draft proposes K tokens and
+the target scores them all in a single forward pass:
+
+    accepted   a draft token the target kept.
+    rejected   a draft token the target refused, and every draft token after it; never part of the output.
+    recovered  the target's own token at the first rejected position (sampled from norm(max(0, p - q))).
+    bonus      the target's extra token after all K drafts were kept (sampled from p).
+    baseline   a token from plain decoding: one target forward pass, one token, no draft involved (the
+               baseline engine, the first token after prefill, and steps where speculation is switched off).
+
+Output tokens are accepted + recovered/bonus (or baseline) tokens, in order. A step therefore commits between
+1 and K+1 tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+
+
+class TokenKind(str, Enum):
+    BASELINE = "baseline"
+    ACCEPTED = "accepted"
+    RECOVERED = "recovered"
+    BONUS = "bonus"
+    REJECTED = "rejected"
+
+
+OUTPUT_KINDS = (TokenKind.BASELINE, TokenKind.ACCEPTED, TokenKind.RECOVERED, TokenKind.BONUS)
+
+
+@dataclass
+class TokenEvent:
+    kind: TokenKind
+    token_id: int
+    text: str  # the token's piece of the output text ("" while a multi-byte character is incomplete)
+    step: int  # speculation step (one target forward pass); step 0 is the prefill
+    position: int  # position inside the step: 0..K
+    time_s: float  # seconds since the run started
+    index: int | None = None  # index in the output; None for rejected tokens
+    p: float | None = None  # target probability of this token, where known
+    q: float | None = None  # draft probability of this token, where known (1.0 for n-gram drafts)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["kind"] = self.kind.value
+        return d
+
+
+@dataclass
+class StepRecord:
+    """One target forward pass and the draft work that fed it."""
+
+    step: int
+    drafted: int  # K actually proposed (0 for a plain decoding step)
+    accepted: int
+    emitted: int  # tokens committed by this step (after stop conditions)
+    draft_ms: float
+    verify_ms: float  # the target forward pass (for a plain step: the decoding step itself)
+    time_s: float  # when the step finished, seconds since the run started
+
+
+@dataclass
+class PolicyEvent:
+    """A decision of the speculation policy: K changed, speculation switched off (fallback) or back on (resume)."""
+
+    step: int
+    action: str  # "k_change" | "fallback" | "resume"
+    k: int
+    reason: str
+    time_s: float
+
+
+@dataclass
+class RunResult:
+    engine: str  # "baseline" | "speculative"
+    method: str  # "none" | "draft" | "ngram" | a vLLM method name
+    prompt_tokens: int
+    output_ids: list[int] = field(default_factory=list)
+    output_text: str = ""
+    tokens: list[TokenEvent] = field(default_factory=list)  # output and rejected tokens, in commit order
+    steps: list[StepRecord] = field(default_factory=list)
+    policy: list[PolicyEvent] = field(default_factory=list)
+    finish_reason: str = ""  # "length" | "eos" | "stop" | "cancelled" | "error"
+    error: str | None = None
+    prefill_ms: float = 0.0
+    total_s: float = 0.0
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def output_tokens(self) -> list[TokenEvent]:
+        return [t for t in self.tokens if t.kind != TokenKind.REJECTED]
+
+
+# What an engine's stream yields: events as they happen, then the RunResult last.
+Event = TokenEvent | StepRecord | PolicyEvent | RunResult

@@ -1,0 +1,25 @@
+"""One forward pass with a KV cache, and cache rollback. Both engines go through these two functions."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+def new_cache(model) -> DynamicCache:
+    return DynamicCache(config=model.config)
+
+
+def rollback(cache: DynamicCache, length: int) -> None:
+    """Crop the cache back to its first `length` positions (the committed prefix)."""
+    drop = cache.get_seq_length() - length
+    if drop > 0:
+        cache.crop(-drop)
+
+
+@torch.inference_mode()
+def forward(model, ids: list[int], cache: DynamicCache, keep: int) -> torch.Tensor:
+    """Feed `ids` after what the cache holds; return the logits of the last `keep` positions, [keep, V] float32."""
+    x = torch.tensor([ids], dtype=torch.long, device=model.device)  # [1, T]
+    out = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=keep)
+    return out.logits[0, -keep:].float()

@@ -1,0 +1,190 @@
+"""The local backend's two engines: plain decoding (baseline) and speculative decoding.
+
+Both are generators of engine.events: tokens as they commit, one StepRecord per target forward pass, policy
+decisions, and the RunResult last. They share the prefill call, the token selection and the stop conditions, so
+that greedy speculative output equals the baseline's token for token.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Iterator
+
+import torch
+
+from engine.drafters import Proposal
+from engine.events import Event, PolicyEvent, RunResult, StepRecord, TokenEvent, TokenKind
+from engine.forward import forward, new_cache, rollback
+from engine.metrics import run_metrics
+from engine.policy import SpecPolicy
+from engine.sampling import SamplingParams, next_token, rejection_sample, verify_greedy, warp
+from engine.stops import Detokenizer, StopConditions, Transcript
+
+log = logging.getLogger(__name__)
+
+
+class _Recorder:
+    """Builds the RunResult while the engine runs and turns each commit into an event."""
+
+    def __init__(self, engine: str, method: str, tokenizer, prompt_ids: list[int], stops: StopConditions):
+        self.t0 = time.perf_counter()
+        self.result = RunResult(engine=engine, method=method, prompt_tokens=len(prompt_ids))
+        self.transcript = Transcript(Detokenizer(tokenizer), stops)
+        self.prompt_ids = prompt_ids
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.transcript.ids
+
+    @property
+    def done(self) -> bool:
+        return self.transcript.finish_reason is not None
+
+    def commit(self, kind, token, step, position, p=None, q=None) -> TokenEvent:
+        index = len(self.transcript.ids)
+        text = self.transcript.commit(token)
+        event = TokenEvent(kind, token, text, step, position, self.now(), index, p, q)
+        self.result.tokens.append(event)
+        return event
+
+    def reject(self, token, step, position, p=None, q=None) -> TokenEvent:
+        text = self.transcript.detok.tokenizer.decode([token], skip_special_tokens=False)
+        event = TokenEvent(TokenKind.REJECTED, token, text, step, position, self.now(), None, p, q)
+        self.result.tokens.append(event)
+        return event
+
+    def step(self, step, drafted, accepted, emitted, draft_ms, verify_ms) -> StepRecord:
+        record = StepRecord(step, drafted, accepted, emitted, draft_ms, verify_ms, self.now())
+        self.result.steps.append(record)
+        return record
+
+    def finish(self, cancelled: bool = False, error: BaseException | None = None) -> RunResult:
+        r = self.result
+        r.output_ids = list(self.transcript.ids)
+        r.output_text = self.transcript.detok.text
+        r.finish_reason = self.transcript.finish_reason or ("cancelled" if cancelled else "")
+        if error is not None:
+            r.finish_reason, r.error = "error", f"{type(error).__name__}: {error}"
+        r.total_s = self.now()
+        r.metrics = run_metrics(r)
+        return r
+
+
+def _generator(params: SamplingParams, device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    if params.seed is not None:
+        g.manual_seed(params.seed)
+    else:
+        g.seed()
+    return g
+
+
+def _ms_since(t: float) -> float:
+    return 1000 * (time.perf_counter() - t)
+
+
+def generate_baseline(
+    model, tokenizer, prompt_ids: list[int], params: SamplingParams, stops: StopConditions,
+    cancel: threading.Event | None = None,
+) -> Iterator[Event]:
+    """Plain autoregressive decoding: one target forward pass per token."""
+    run = _Recorder("baseline", "none", tokenizer, prompt_ids, stops)
+    try:
+        g = _generator(params, model.device)
+        cache = new_cache(model)
+        t = time.perf_counter()
+        logits = forward(model, prompt_ids, cache, keep=1)  # [1, V]
+        run.result.prefill_ms = ms = _ms_since(t)
+        step = 0
+        while True:
+            token, p = next_token(logits[-1], params, g)
+            yield run.commit(TokenKind.BASELINE, token, step, 0, p=None if params.greedy else p)
+            yield run.step(step, 0, 0, 1, 0.0, ms)
+            if run.done or (cancel is not None and cancel.is_set()):
+                break
+            t = time.perf_counter()
+            logits = forward(model, [token], cache, keep=1)
+            ms = _ms_since(t)
+            step += 1
+    except Exception as e:  # noqa: BLE001 - the run is saved as failed, with what it produced so far
+        log.exception("baseline run failed")
+        yield run.finish(error=e)
+        return
+    yield run.finish(cancelled=cancel is not None and cancel.is_set())
+
+
+def generate_speculative(
+    model, tokenizer, proposer, prompt_ids: list[int], params: SamplingParams, stops: StopConditions,
+    policy: SpecPolicy, cancel: threading.Event | None = None,
+) -> Iterator[Event]:
+    """Speculative decoding: the proposer drafts K tokens, the target verifies them in one forward pass and
+    commits the accepted prefix plus one token of its own."""
+    run = _Recorder("speculative", proposer.method, tokenizer, prompt_ids, stops)
+    try:
+        g = _generator(params, model.device)
+        if hasattr(proposer, "generator"):
+            proposer.generator = g  # one seeded stream for draft and target: a seed reproduces the run
+        cache = new_cache(model)
+        t = time.perf_counter()
+        logits = forward(model, prompt_ids, cache, keep=1)  # the baseline's prefill call, so caches agree
+        run.result.prefill_ms = _ms_since(t)
+        token, p = next_token(logits[-1], params, g)
+        yield run.commit(TokenKind.BASELINE, token, 0, 0, p=None if params.greedy else p)
+        yield run.step(0, 0, 0, 1, 0.0, run.result.prefill_ms)
+        step = 0
+        while not run.done and not (cancel is not None and cancel.is_set()):
+            step += 1
+            ids = run.ids
+            k = min(policy.next_k(), run.transcript.remaining - 1)  # a step commits up to k+1: never overshoot
+            t = time.perf_counter()
+            proposal = proposer.propose(ids, k) if k > 0 else Proposal([], None)
+            drafts = proposal.ids[:k]
+            draft_ms = _ms_since(t)
+
+            t = time.perf_counter()
+            logits = forward(model, [ids[-1]] + drafts, cache, keep=len(drafts) + 1)  # [K+1, V]
+            verify_ms = _ms_since(t)
+
+            K = len(drafts)
+            p_all = None if params.greedy else warp(logits, params)  # [K+1, V]
+            d = torch.tensor(drafts, dtype=torch.long, device=logits.device)  # [K]
+            if K == 0:
+                n, token = 0, next_token(logits[-1], params, g)[0]
+            elif params.greedy:
+                n, token = verify_greedy(d, logits)
+            else:
+                n, token = rejection_sample(d, proposal.probs, p_all, g)
+            rollback(cache, len(ids) + n)  # keep the committed tokens; the new token is fed next step
+
+            def prob(dist, pos, tok):
+                return None if dist is None else float(dist[pos, tok])
+
+            emitted = 0
+            for i in range(n):
+                q = 1.0 if proposal.probs is None and p_all is not None else prob(proposal.probs, i, drafts[i])
+                yield run.commit(TokenKind.ACCEPTED, drafts[i], step, i, prob(p_all, i, drafts[i]), q)
+                emitted += 1
+                if run.done:
+                    break
+            if not run.done:
+                for i in range(n, K):
+                    yield run.reject(drafts[i], step, i, prob(p_all, i, drafts[i]), prob(proposal.probs, i, drafts[i]))
+                kind = TokenKind.BASELINE if K == 0 else (TokenKind.BONUS if n == K else TokenKind.RECOVERED)
+                yield run.commit(kind, token, step, n, prob(p_all, n, token))
+                emitted += 1
+            record = run.step(step, K, n, emitted, draft_ms, verify_ms)
+            yield record
+            for action, new_k, reason in policy.observe(record):
+                event = PolicyEvent(step, action, new_k, reason, run.now())
+                run.result.policy.append(event)
+                yield event
+    except Exception as e:  # noqa: BLE001 - the run is saved as failed, with what it produced so far
+        log.exception("speculative run failed")
+        yield run.finish(error=e)
+        return
+    yield run.finish(cancelled=cancel is not None and cancel.is_set())

@@ -1,0 +1,113 @@
+"""Metrics of one run, the comparison of a speculative run with its baseline, and the theory to hold them against.
+
+Theory (Leviathan et al. 2023, section 3): with per-token acceptance rate a and K drafts, a target pass yields on
+average E = (1 - a^(K+1)) / (1 - a) tokens. If one draft step costs c target steps, the speedup is at most
+E / (c*K + 1). That assumes verifying K+1 tokens costs one target step; on a CPU it costs v steps (measured), so the
+bound for this machine is E / (c*K + v). Efficiency = measured speedup / the machine's bound.
+"""
+
+from __future__ import annotations
+
+from statistics import mean
+
+from engine.events import RunResult, TokenKind
+
+
+def expected_tokens_per_pass(a: float, k: float) -> float:
+    if a >= 1.0:
+        return k + 1
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+def speedup_bound(a: float, k: float, c: float, v: float = 1.0) -> float:
+    return expected_tokens_per_pass(a, k) / (c * k + v)
+
+
+def acceptance_alpha(steps) -> float:
+    """Per-token acceptance probability (alpha), estimated from speculative steps: each step is a run of accepted
+    drafts ended by at most one rejection, so alpha = accepted / (accepted + rejections), with a uniform prior that
+    keeps a short history inside (0, 1). (accepted / drafted undercounts: drafts after a rejection are never tried.)"""
+    accepted = sum(s.accepted for s in steps)
+    rejections = sum(s.accepted < s.drafted for s in steps)
+    return (accepted + 1) / (accepted + rejections + 2)
+
+
+def run_metrics(r: RunResult) -> dict:
+    out = r.output_tokens
+    n = len(out)
+    spec = [s for s in r.steps if s.drafted > 0]
+    plain = [s for s in r.steps[1:] if s.drafted == 0]  # decoding steps without drafts (step 0 is the prefill)
+    drafted = sum(s.drafted for s in spec)
+    accepted = sum(s.accepted for s in spec)
+    max_k = max((s.drafted for s in spec), default=0)
+    m = {
+        "output_tokens": n,
+        "target_passes": len(r.steps),
+        "baseline_passes": n,  # plain decoding needs one target pass per token
+        "passes_saved": n - len(r.steps),
+        "steps": len(spec),
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "per_position_acceptance": [
+            sum(s.accepted > i for s in spec) / sum(s.drafted > i for s in spec) for i in range(max_k)
+        ],
+        "mean_accepted_length": 1 + accepted / len(spec) if spec else None,
+        "mean_k": drafted / len(spec) if spec else None,
+        "ttft_ms": 1000 * out[0].time_s if out else None,
+        "tpot_ms": 1000 * (out[-1].time_s - out[0].time_s) / (n - 1) if n > 1 else None,
+        "tokens_per_s": n / r.total_s if r.total_s > 0 else None,
+        "decode_tokens_per_s": (n - 1) / (out[-1].time_s - out[0].time_s) if n > 1 and out[-1].time_s > out[0].time_s else None,
+        "prefill_ms": r.prefill_ms,
+        "draft_ms_total": sum(s.draft_ms for s in spec),
+        "verify_ms_total": sum(s.verify_ms for s in spec),
+        "draft_ms_per_token": sum(s.draft_ms for s in spec) / drafted if drafted else None,
+        "verify_ms_mean": mean(s.verify_ms for s in spec) if spec else None,
+        "plain_step_ms": mean(s.verify_ms for s in plain) if plain else None,
+        "fallback_count": sum(e.action == "fallback" for e in r.policy),
+        "rejected_tokens": sum(t.kind == TokenKind.REJECTED for t in r.tokens),
+    }
+    return m
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token, or None when the sequences are identical."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare(baseline: RunResult, speculative: RunResult, greedy: bool) -> dict:
+    """Speedup, the theoretical bounds with the costs measured in these two runs, efficiency and exactness."""
+    b, s = baseline.metrics, speculative.metrics
+    c = {
+        "speedup": _ratio(s["tokens_per_s"], b["tokens_per_s"]),
+        "decode_speedup": _ratio(s["decode_tokens_per_s"], b["decode_tokens_per_s"]),
+    }
+    step_ms = b["plain_step_ms"]  # one target decoding step, measured by the baseline
+    steps = [st for st in speculative.steps if st.drafted > 0]
+    if step_ms and steps:
+        # Sum the model over the steps actually taken, so that a dynamic K is judged at the K it used.
+        alpha = acceptance_alpha(steps)
+        cost_c = s["draft_ms_per_token"] / step_ms
+        tokens = sum(expected_tokens_per_pass(alpha, st.drafted) for st in steps)
+        c.update(
+            alpha=alpha,
+            draft_cost_ratio=cost_c,
+            verify_cost_ratio=s["verify_ms_mean"] / step_ms,
+            expected_tokens_per_pass=tokens / len(steps),
+            theoretical_bound=tokens / sum(cost_c * st.drafted + 1 for st in steps),
+            machine_bound=tokens / sum(cost_c * st.drafted + st.verify_ms / step_ms for st in steps),
+        )
+        if c["decode_speedup"]:
+            c["efficiency"] = c["decode_speedup"] / c["machine_bound"]
+    if greedy:
+        div = first_divergence(baseline.output_ids, speculative.output_ids)
+        c["identical"] = div is None
+        c["first_divergence"] = div
+    return c
+
+
+def _ratio(x, y):
+    return x / y if x and y else None

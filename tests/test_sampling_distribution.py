@@ -1,0 +1,177 @@
+"""Sampled speculative decoding must keep the target's distribution.
+
+Two levels: the rejection sampler alone on fixed distributions (many samples, cheap), and the whole speculative
+engine on a tiny 16-token model whose exact next-token distributions we can enumerate. Each level also runs a
+deliberately wrong variant (p and q swapped; top-p applied to the draft's sampling but not to the q it reports)
+and checks that the same statistical test catches it, so the test has the power to fail.
+"""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import engine.local
+from engine.drafters import DraftModelProposer
+from engine.events import RunResult
+from engine.local import generate_speculative
+from engine.policy import SpecPolicy
+from engine.sampling import SamplingParams, rejection_sample, warp
+from engine.stops import StopConditions
+from engine.forward import forward, new_cache
+from engine.optimize import prepare_draft, prepare_target
+from tests.conftest import CPU, tiny_llama
+
+ALPHA = 1e-3  # a correct sampler fails this test once in a thousand seeds; the seeds are fixed
+
+
+def chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    """Goodness of fit of integer samples to probs; cells expected fewer than 5 times are pooled."""
+    n = len(samples)
+    observed = torch.bincount(samples, minlength=len(probs)).double()
+    expected = probs.double() * n
+    big = expected >= 5
+    obs = torch.cat([observed[big], observed[~big].sum().view(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    if exp[-1] < 5:  # fold a small pooled cell into the largest one
+        obs, exp = obs[:-1], exp[:-1]
+        obs[obs.argmax()] += observed[~big].sum()
+        exp[exp.argmax()] += expected[~big].sum()
+    return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
+
+
+def swapped(draft_ids, draft_probs, target_probs, generator):
+    """A classic bug: q where p belongs (only the K rows that both have)."""
+    K = len(draft_ids)
+    p = target_probs.clone()
+    p[:K], q = draft_probs, target_probs[:K]
+    return rejection_sample(draft_ids, q, p, generator)
+
+
+def test_warp_top_k_top_p():
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+    probs = torch.softmax(logits, -1)
+    assert torch.allclose(warp(logits, SamplingParams(temperature=1.0)), probs)
+    assert torch.count_nonzero(warp(logits, SamplingParams(temperature=1.0, top_k=2))) == 2
+    # top-p keeps the smallest prefix of the sorted tokens whose mass reaches p
+    kept = warp(logits, SamplingParams(temperature=1.0, top_p=float(probs[0] + 0.01)))
+    assert torch.count_nonzero(kept) == 2 and torch.isclose(kept.sum(), torch.tensor(1.0))
+    hot = warp(logits, SamplingParams(temperature=2.0))
+    assert torch.allclose(hot, torch.softmax(logits / 2, -1))
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_rejection_sampler_keeps_p(k):
+    g = torch.Generator().manual_seed(0)
+    V = 8
+    p = torch.softmax(torch.randn(k + 1, V, generator=g) * 2, -1)  # [K+1, V]
+    q = torch.softmax(torch.randn(k, V, generator=g) * 2, -1)  # [K, V]
+    n = 20000
+
+    def first_tokens(verify):
+        out = []
+        for _ in range(n):
+            drafts = torch.stack([torch.multinomial(q[i], 1, generator=g)[0] for i in range(k)])
+            accepted, token = verify(drafts, q, p, g)
+            out.append(int(drafts[0]) if accepted > 0 else token)
+        return torch.tensor(out)
+
+    assert chi2_pvalue(first_tokens(rejection_sample), p[0]) > ALPHA
+    assert chi2_pvalue(first_tokens(swapped), p[0]) < 1e-6
+
+
+def test_rejection_sampler_one_hot_drafts():
+    """n-gram drafts are deterministic: q = one-hot, and the output must still follow p."""
+    g = torch.Generator().manual_seed(1)
+    p = torch.softmax(torch.randn(2, 8, generator=g) * 2, -1)
+    draft = torch.tensor([int(p[0].argmax())])
+    out = []
+    for _ in range(20000):
+        accepted, token = rejection_sample(draft, None, p, g)
+        out.append(int(draft[0]) if accepted else token)
+    assert chi2_pvalue(torch.tensor(out), p[0]) > ALPHA
+
+
+# --- the whole engine on a 16-token model ------------------------------------------------------------------------
+
+V = 16
+PROMPT = [3, 7, 1]
+PARAMS = SamplingParams(temperature=1.0, top_p=0.7)
+
+
+class OneSidedTopP(DraftModelProposer):
+    """Samples drafts with top-p but reports q without it: the draft and verifier disagree about q."""
+
+    def propose(self, ids, k):
+        proposal = super().propose(ids, k)
+        logits = torch.stack([forward_logits(self.model, ids + proposal.ids[:i]) for i in range(len(proposal.ids))])
+        proposal.probs = self._pad(warp(logits, SamplingParams(temperature=self.params.temperature)))
+        return proposal
+
+
+def forward_logits(model, ids):
+    return forward(model, ids, new_cache(model), keep=1)[-1]
+
+
+@pytest.fixture(scope="module")
+def tiny16():
+    target = prepare_target(tiny_llama(V, seed=11, init=0.5), CPU, strict=True)
+    draft = prepare_draft(tiny_llama(V, seed=12, init=0.5), CPU, int8=False)
+    return target, draft
+
+
+def exact_marginals(target, params, length):
+    """The target's own distribution of output tokens 1..length, enumerated over all prefixes."""
+    marginals, prefixes = [], {(): 1.0}
+    for _ in range(length):
+        dist = torch.zeros(V, dtype=torch.float64)
+        nxt = {}
+        for prefix, mass in prefixes.items():
+            p = warp(forward_logits(target, PROMPT + list(prefix)), params).double()
+            dist += mass * p
+            for t in torch.nonzero(p).flatten().tolist():
+                nxt[prefix + (t,)] = mass * float(p[t])
+        marginals.append(dist)
+        prefixes = nxt
+    return marginals
+
+
+def sampled_outputs(target, draft, proposer_cls, n, length, seed):
+    torch.manual_seed(seed)
+    outs = []
+    for i in range(n):
+        params = SamplingParams(temperature=PARAMS.temperature, top_p=PARAMS.top_p, seed=seed * 100000 + i)
+        proposer = proposer_cls(draft, V, params, None)
+        *_, result = generate_speculative(
+            target, _Tok(), proposer, PROMPT, params, StopConditions(length), SpecPolicy(k=2)
+        )
+        assert isinstance(result, RunResult) and result.error is None, result.error
+        outs.append(result.output_ids)
+    return torch.tensor(outs)  # [n, length]
+
+
+class _Tok:
+    """Detokenizer stand-in for a 16-token model that has no tokenizer: each id is one character."""
+
+    def decode(self, ids, **kwargs):
+        return "".join(chr(65 + i) for i in ids)
+
+
+def engine_pvalues(tiny16, proposer_cls, n=3000, seed=5):
+    target, draft = tiny16
+    length = 3  # token 1 comes from the prefill; tokens 2 and 3 from a speculation step
+    marg = exact_marginals(target, PARAMS, length)
+    outs = sampled_outputs(target, draft, proposer_cls, n, length, seed)
+    return [chi2_pvalue(outs[:, i], marg[i]) for i in (1, 2)]
+
+
+def test_engine_keeps_target_distribution(tiny16):
+    assert min(engine_pvalues(tiny16, DraftModelProposer)) > ALPHA
+
+
+def test_engine_test_catches_swapped_p_and_q(tiny16, monkeypatch):
+    monkeypatch.setattr(engine.local, "rejection_sample", swapped)
+    assert min(engine_pvalues(tiny16, DraftModelProposer)) < ALPHA
+
+
+def test_engine_test_catches_top_p_on_one_side(tiny16):
+    assert min(engine_pvalues(tiny16, OneSidedTopP)) < ALPHA
