@@ -33,6 +33,7 @@ class Request:
     dynamic_k: bool = False
     k_max: int = 16
     fallback: bool = False
+    draft_confidence: float = 0.0  # stop drafting after a token the draft itself gives less than this (0 = off)
     ngram_min: int = 1
     ngram_max: int = 4
     stop_strings: tuple[str, ...] = ()
@@ -47,6 +48,8 @@ class Request:
             raise SettingsError(f"method must be 'draft' or 'ngram', got {self.method!r}")
         if not 1 <= self.k <= MAX_K:
             raise SettingsError(f"K must be between 1 and {MAX_K}, got {self.k}")
+        if not 0.0 <= self.draft_confidence < 1.0:
+            raise SettingsError(f"draft confidence must be in [0, 1), got {self.draft_confidence}")
         self.sampling.validate()
         self.policy().validate()
 
@@ -105,7 +108,7 @@ class LocalBackend:
         ids = self.prompt_ids(req)
         t = self.target
         if req.method == "draft":
-            proposer = DraftModelProposer(self.draft.model, t.vocab_size, req.sampling, None)
+            proposer = DraftModelProposer(self.draft.model, t.vocab_size, req.sampling, None, req.draft_confidence)
         else:
             proposer = NgramProposer(req.ngram_min, req.ngram_max)
         policy = req.policy()

@@ -24,12 +24,19 @@ class Proposal:
 
 
 class DraftModelProposer:
-    """A smaller model from the same tokenizer family proposes k tokens autoregressively."""
+    """A smaller model from the same tokenizer family proposes up to k tokens autoregressively. It stops early when
+    it is unsure: a draft token whose draft probability is below `confidence` is likely to be rejected, and every
+    token drafted after it would be wasted. (Any rule that depends only on the draft's own state keeps the
+    rejection sampler exact.)"""
 
     method = "draft"
 
-    def __init__(self, model, vocab_size: int, params: SamplingParams, generator: torch.Generator | None):
+    def __init__(
+        self, model, vocab_size: int, params: SamplingParams, generator: torch.Generator | None,
+        confidence: float = 0.0,
+    ):
         self.model = model
+        self.confidence = confidence
         self.vocab_size = vocab_size  # the target's logits width; q is padded to it
         self.params = params
         self.generator = generator
@@ -46,11 +53,15 @@ class DraftModelProposer:
             self.cached += feed
             if self.params.greedy:
                 token = int(logits.argmax())
+                sure = not self.confidence or float(torch.softmax(logits, -1)[token]) >= self.confidence
             else:
                 q = warp(logits, self.params)
                 token = sample(q, self.generator)
                 probs.append(q)
+                sure = float(q[token]) >= self.confidence
             drafts.append(token)
+            if not sure:
+                break
             feed = [token]
         # the last draft token was never fed: it sits in no cache yet
         q = None if self.params.greedy else self._pad(torch.stack(probs))

@@ -43,6 +43,7 @@ class SpecPolicy:
     verify_ms_per_token: float | None = field(default=None, init=False)  # beta * target_step_ms
     _recent: deque = field(default_factory=deque, init=False, repr=False)  # StepRecords of speculative steps
     _plain_left: int = field(default=0, init=False)  # plain steps left before speculation resumes
+    _seen_first: bool = field(default=False, init=False)
 
     def validate(self) -> None:
         if not 1 <= self.k_min <= self.k_max <= MAX_K:
@@ -70,6 +71,9 @@ class SpecPolicy:
         self._recent.append(step)
         if len(self._recent) > self.window:
             self._recent.popleft()
+        if not self._seen_first:  # the first draft pass also prefilled the prompt: not a per-token cost
+            self._seen_first = True
+            return []
         self.draft_ms_per_token = _ema(self.draft_ms_per_token, step.draft_ms / step.drafted)
         decisions = []
         if self.target_step_ms:
