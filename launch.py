@@ -1,5 +1,6 @@
 """SpecConsole entry point.
 
+    python launch.py                       the console in the browser (http://127.0.0.1:7860)
     python launch.py demo --prompt "..."   one prompt on both engines in the terminal, with the comparison
 """
 
@@ -96,20 +97,64 @@ def demo(args) -> int:
     return 0
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def console(args) -> int:
+    from specconsole.app import launch
+    from specconsole.history import History, HistoryError
+    from specconsole.host import ModelHost
+
+    auth = None
+    credentials = os.environ.get(args.auth_env, "")
+    if credentials:
+        user, _, password = credentials.partition(":")
+        if not user or not password:
+            log.error("%s must hold user:password", args.auth_env)
+            return 2
+        auth = (user, password)
+    if args.host not in LOOPBACK and auth is None:
+        log.error("refusing to serve on %s without a login: set %s=user:password first", args.host, args.auth_env)
+        return 2
+    if args.backend != "local":
+        log.error("backend %r is not available yet; use --backend local", args.backend)
+        return 2
+    try:
+        history = History(args.db)
+    except HistoryError as e:
+        log.error("%s", e)
+        return 2
+    host = ModelHost(args.preset, args.device, args.strict).start()  # the page is up while the models load
+    log.info("history in %s; open http://%s:%d", args.db, args.host, args.port)
+    launch(host, history, args.host, args.port, auth)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(prog="launch.py", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="run one prompt on both engines in the terminal")
-    add_engine_args(p)
-    add_request_args(p)
-    p.add_argument("--prompt", required=True)
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "demo":
+        p = argparse.ArgumentParser(prog="launch.py demo", description="one prompt on both engines in the terminal")
+        add_engine_args(p)
+        add_request_args(p)
+        p.add_argument("--prompt", required=True)
+        args, run = p.parse_args(argv[1:]), demo
+    else:
+        p = argparse.ArgumentParser(prog="launch.py", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+        p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+        p.add_argument("--port", type=int, default=7860)
+        p.add_argument("--db", default=os.path.expanduser("~/.local/share/specconsole/history.db"),
+                       help="SQLite history file")
+        p.add_argument("--backend", default="local", choices=["local", "vllm"])
+        p.add_argument("--auth-env", default="SPECCONSOLE_AUTH",
+                       help="environment variable holding user:password; required for a non-loopback --host")
+        add_engine_args(p)
+        args, run = p.parse_args(argv), console
     from engine.models import ModelError
     from engine.sampling import SettingsError
 
     try:
-        return demo(args)
+        return run(args)
     except (ModelError, SettingsError) as e:
         log.error("%s", e)
         return 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -96,15 +97,15 @@ class LocalBackend:
     def stops(self, req: Request) -> StopConditions:
         return StopConditions(req.max_new_tokens, self.target.eos_ids, tuple(s for s in req.stop_strings if s))
 
-    def baseline(self, req: Request, cancel: threading.Event | None = None) -> Iterator[Event]:
+    def baseline(self, req: Request, cancel: threading.Event | None = None, clock=time.perf_counter) -> Iterator[Event]:
         ids = self.prompt_ids(req)
         t = self.target
-        for event in generate_baseline(t.model, t.tokenizer, ids, req.sampling, self.stops(req), cancel):
+        for event in generate_baseline(t.model, t.tokenizer, ids, req.sampling, self.stops(req), cancel, clock):
             if getattr(event, "engine", None) == "baseline" and event.metrics.get("plain_step_ms"):
                 self.target_step_ms = event.metrics["plain_step_ms"]
             yield event
 
-    def speculative(self, req: Request, cancel: threading.Event | None = None) -> Iterator[Event]:
+    def speculative(self, req: Request, cancel: threading.Event | None = None, clock=time.perf_counter) -> Iterator[Event]:
         ids = self.prompt_ids(req)
         t = self.target
         if req.method == "draft":
@@ -113,4 +114,6 @@ class LocalBackend:
             proposer = NgramProposer(req.ngram_min, req.ngram_max)
         policy = req.policy()
         policy.target_step_ms = self.target_step_ms
-        yield from generate_speculative(t.model, t.tokenizer, proposer, ids, req.sampling, self.stops(req), policy, cancel)
+        yield from generate_speculative(
+            t.model, t.tokenizer, proposer, ids, req.sampling, self.stops(req), policy, cancel, clock
+        )

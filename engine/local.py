@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -28,14 +28,15 @@ log = logging.getLogger(__name__)
 class _Recorder:
     """Builds the RunResult while the engine runs and turns each commit into an event."""
 
-    def __init__(self, engine: str, method: str, tokenizer, prompt_ids: list[int], stops: StopConditions):
-        self.t0 = time.perf_counter()
+    def __init__(self, engine: str, method: str, tokenizer, prompt_ids: list[int], stops: StopConditions, clock):
+        self.clock = clock
+        self.t0 = clock()
         self.result = RunResult(engine=engine, method=method, prompt_tokens=len(prompt_ids))
         self.transcript = Transcript(Detokenizer(tokenizer), stops)
         self.prompt_ids = prompt_ids
 
     def now(self) -> float:
-        return time.perf_counter() - self.t0
+        return self.clock() - self.t0
 
     @property
     def ids(self) -> list[int]:
@@ -90,10 +91,13 @@ def _ms_since(t: float) -> float:
 
 def generate_baseline(
     model, tokenizer, prompt_ids: list[int], params: SamplingParams, stops: StopConditions,
-    cancel: threading.Event | None = None,
+    cancel: threading.Event | None = None, clock: Callable[[], float] = time.perf_counter,
 ) -> Iterator[Event]:
-    """Plain autoregressive decoding: one target forward pass per token."""
-    run = _Recorder("baseline", "none", tokenizer, prompt_ids, stops)
+    """Plain autoregressive decoding: one target forward pass per token.
+
+    `clock` times the run (token timestamps, total); a console that interleaves the two engines gives each a clock
+    that stops while the other engine computes."""
+    run = _Recorder("baseline", "none", tokenizer, prompt_ids, stops, clock)
     try:
         g = _generator(params, model.device)
         cache = new_cache(model)
@@ -120,11 +124,11 @@ def generate_baseline(
 
 def generate_speculative(
     model, tokenizer, proposer, prompt_ids: list[int], params: SamplingParams, stops: StopConditions,
-    policy: SpecPolicy, cancel: threading.Event | None = None,
+    policy: SpecPolicy, cancel: threading.Event | None = None, clock: Callable[[], float] = time.perf_counter,
 ) -> Iterator[Event]:
     """Speculative decoding: the proposer drafts K tokens, the target verifies them in one forward pass and
     commits the accepted prefix plus one token of its own."""
-    run = _Recorder("speculative", proposer.method, tokenizer, prompt_ids, stops)
+    run = _Recorder("speculative", proposer.method, tokenizer, prompt_ids, stops, clock)
     try:
         g = _generator(params, model.device)
         if hasattr(proposer, "generator"):

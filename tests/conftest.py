@@ -58,3 +58,11 @@ def tiny_pair():
     target = tiny_llama(512, seed=1)
     draft = perturbed(target, 0.6, seed=2)
     return prepare_target(target, CPU, strict=True), prepare_draft(draft, CPU, int8=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_pair(smol_tokenizer):
+    """Like tiny_pair, but with SmolLM2's full vocabulary, so that real prompts (chat template included) encode."""
+    target = tiny_llama(len(smol_tokenizer), seed=3)
+    draft = perturbed(target, 0.6, seed=4)
+    return prepare_target(target, CPU, strict=True), prepare_draft(draft, CPU, int8=False)

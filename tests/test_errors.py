@@ -15,8 +15,8 @@ from tests.conftest import CPU
 
 
 @pytest.fixture(scope="module")
-def backend(tiny_pair, smol_tokenizer):
-    target, draft = tiny_pair
+def backend(tiny_chat_pair, smol_tokenizer):
+    target, draft = tiny_chat_pair
     return LocalBackend(LoadedModel("tiny", target, smol_tokenizer, CPU), LoadedModel("tiny-draft", draft, smol_tokenizer, CPU))
 
 

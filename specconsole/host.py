@@ -1,0 +1,57 @@
+"""Loads the models in the background, so that the page is up at once and shows the progress meanwhile."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from engine.backend import LocalBackend
+from engine.models import PRESETS
+
+log = logging.getLogger(__name__)
+
+
+class ModelHost:
+    def __init__(self, preset: str, device: str | None = None, strict: bool = False):
+        self.preset = PRESETS[preset]
+        self.device, self.strict = device, strict
+        self.backend: LocalBackend | None = None
+        self.error: str | None = None
+        self.stage, self.done, self.total = "waiting to load", 0.0, 1.0
+        self.started = time.monotonic()
+        self.lock = threading.Lock()  # one comparison at a time: both engines share these models
+        self._thread = threading.Thread(target=self._load, daemon=True, name="specconsole-loader")
+
+    def start(self) -> "ModelHost":
+        self._thread.start()
+        return self
+
+    def _progress(self, stage: str, done: float, total: float) -> None:
+        self.stage, self.done, self.total = stage, done, total or 1.0
+
+    def _load(self) -> None:
+        try:
+            self.backend = LocalBackend.from_preset(self.preset, self.device, self.strict, on_progress=self._progress)
+            self.stage = "ready"
+            log.info("models ready after %.0f s", time.monotonic() - self.started)
+        except Exception as e:  # noqa: BLE001 - shown in the page; the console stays up
+            log.exception("loading the models failed")
+            self.error = f"{type(e).__name__}: {e}"
+
+    @property
+    def ready(self) -> bool:
+        return self.backend is not None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self._thread.join(timeout)
+        return self.ready
+
+    def status(self) -> str:
+        if self.error:
+            return f"Loading the models failed: {self.error}"
+        if self.ready:
+            draft = self.preset.draft or "n-gram prompt lookup"
+            return f"Ready: target {self.preset.target}, draft {draft} ({self.backend.target.device})"
+        pct = 100 * self.done / self.total if self.total else 0
+        return f"Loading models: {self.stage} ({pct:.0f}%, {time.monotonic() - self.started:.0f} s)"

@@ -1,0 +1,82 @@
+"""Events in, HTML out: the token panels, the legend and the live figures. Every piece of model text is escaped."""
+
+from __future__ import annotations
+
+from html import escape
+
+from engine.events import RunResult, TokenEvent, TokenKind
+
+KIND_HELP = {
+    TokenKind.ACCEPTED: "accepted: a draft token the target kept",
+    TokenKind.RECOVERED: "recovered: the target's own token where it rejected a draft",
+    TokenKind.BONUS: "bonus: the target's extra token after all drafts were kept",
+    TokenKind.BASELINE: "plain decoding: one target pass, one token",
+    TokenKind.REJECTED: "rejected: draft text the target refused (not part of the answer)",
+}
+
+
+def _title(t: TokenEvent) -> str:
+    parts = [KIND_HELP[t.kind].split(":")[0], f"step {t.step}", f"position {t.position}", f"token id {t.token_id}"]
+    if t.p is not None:
+        parts.append(f"p(target) = {t.p:.3f}")
+    if t.q is not None:
+        parts.append(f"q(draft) = {t.q:.3f}")
+    return ", ".join(parts)
+
+
+def token_span(t: TokenEvent) -> str:
+    text = escape(t.text, quote=True) or "&#8203;"
+    tag = "del" if t.kind == TokenKind.REJECTED else "span"
+    return f'<{tag} class="tok {t.kind.value}" title="{escape(_title(t), quote=True)}">{text}</{tag}>'
+
+
+def tokens_html(tokens: list[TokenEvent], show_rejected: bool = True, error: str | None = None,
+                status: str = "") -> str:
+    spans = [token_span(t) for t in tokens if show_rejected or t.kind != TokenKind.REJECTED]
+    body = "".join(spans) or '<span class="placeholder">waiting for tokens…</span>'
+    extra = f'<div class="panel-error">{escape(error)}</div>' if error else ""
+    footer = f'<div class="panel-status">{escape(status)}</div>' if status else ""
+    return f'<div class="tokens">{body}</div>{extra}{footer}'
+
+
+def legend_html() -> str:
+    items = [TokenKind.ACCEPTED, TokenKind.RECOVERED, TokenKind.BONUS, TokenKind.REJECTED, TokenKind.BASELINE]
+    cells = "".join(
+        f'<span class="legend-item"><span class="tok {k.value}">{escape(k.value)}</span> {escape(KIND_HELP[k].split(": ")[1])}</span>'
+        for k in items
+    )
+    return f'<div class="legend">{cells}</div>'
+
+
+def _fmt(value, spec: str, suffix: str = "") -> str:
+    return "–" if value is None else f"{value:{spec}}{suffix}"
+
+
+def figures_html(baseline: RunResult | None, speculative: RunResult | None, comparison: dict, mode: str,
+                 rolling_acceptance: float | None) -> str:
+    b = baseline.metrics if baseline else {}
+    s = speculative.metrics if speculative else {}
+    exact = ""
+    if "identical" in comparison:
+        if comparison["identical"]:
+            exact = '<span class="exact ok">✔ identical to the baseline</span>'
+        elif comparison.get("first_divergence") is not None:
+            exact = (f'<span class="exact diverged">✖ first divergence at token {comparison["first_divergence"]}'
+                     "</span>")
+    rows = [
+        ("tokens/s (baseline | speculative)", f'{_fmt(b.get("tokens_per_s"), ".2f")} | {_fmt(s.get("tokens_per_s"), ".2f")}'),
+        ("speedup", _fmt(comparison.get("speedup"), ".2f", "×")),
+        ("acceptance (all | last 8 steps)", f'{_fmt(s.get("acceptance_rate"), ".2f")} | {_fmt(rolling_acceptance, ".2f")}'),
+        ("mean accepted length", _fmt(s.get("mean_accepted_length"), ".2f")),
+        ("TTFT ms (baseline | speculative)", f'{_fmt(b.get("ttft_ms"), ".0f")} | {_fmt(s.get("ttft_ms"), ".0f")}'),
+        ("TPOT ms (baseline | speculative)", f'{_fmt(b.get("tpot_ms"), ".1f")} | {_fmt(s.get("tpot_ms"), ".1f")}'),
+        ("target passes saved", f'{s.get("passes_saved", "–")} of {s.get("output_tokens", "–")}'),
+        ("bound: ideal | this machine", f'{_fmt(comparison.get("theoretical_bound"), ".2f", "×")} | '
+                                        f'{_fmt(comparison.get("machine_bound"), ".2f", "×")}'),
+        ("efficiency (speedup / machine bound)", _fmt(comparison.get("efficiency"), ".2f")),
+        ("fallbacks", str(s.get("fallback_count", "–"))),
+        ("mode", escape(mode)),
+    ]
+    cells = "".join(f'<div class="fig"><div class="fig-label">{escape(k)}</div><div class="fig-value">{v}</div></div>'
+                    for k, v in rows)
+    return f'<div class="figures">{cells}</div><div class="exactness">{exact}</div>'

@@ -1,0 +1,194 @@
+"""Runs the baseline and the speculative engine on one request, side by side, and saves the run.
+
+Two modes, shown and saved with every run:
+- fair: the engines take turns, one target forward pass each, so they never compete for the CPU (or GPU); each
+  engine's timings come from a clock that stands still while the other engine computes. The page's own work
+  (building HTML and charts) holds `ui_lock`, which the engines also take around each pass, so it never runs
+  during a timed pass either.
+- race: both engines run at once in two threads, on wall-clock time, sharing the machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import asdict
+
+from engine.events import Event, RunResult, StepRecord
+from engine.metrics import compare, run_metrics
+from specconsole.history import History
+
+log = logging.getLogger(__name__)
+
+ENGINES = ("baseline", "speculative")
+MODES = ("fair", "race")
+
+
+class EngineClock:
+    """Seconds this engine has spent computing: it runs only between resume() and pause()."""
+
+    def __init__(self):
+        self.elapsed, self.since = 0.0, None
+
+    def resume(self) -> None:
+        self.since = time.perf_counter()
+
+    def pause(self) -> None:
+        self.elapsed += time.perf_counter() - self.since
+        self.since = None
+
+    def __call__(self) -> float:
+        return self.elapsed + (time.perf_counter() - self.since if self.since is not None else 0.0)
+
+
+class LiveRun:
+    """One engine's events so far, as a RunResult whose metrics can be read mid-run."""
+
+    def __init__(self, engine: str):
+        self.result = RunResult(engine=engine, method="", prompt_tokens=0)
+        self.finished = False
+
+    def apply(self, event: Event) -> None:
+        if isinstance(event, RunResult):
+            self.result, self.finished = event, True
+            return
+        kind = {"TokenEvent": self.result.tokens, "StepRecord": self.result.steps, "PolicyEvent": self.result.policy}
+        kind[type(event).__name__].append(event)
+
+    def snapshot(self) -> RunResult:
+        if not self.finished:
+            r = self.result
+            last = max([t.time_s for t in r.tokens] + [s.time_s for s in r.steps], default=0.0)
+            r.total_s = last
+            r.metrics = run_metrics(r)
+        return self.result
+
+
+class Comparison:
+    """One request on both engines. start() returns at once; poll() drains the events that have arrived."""
+
+    def __init__(self, backend, request, mode: str, history: History | None, meta: dict):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.backend, self.request, self.mode, self.history = backend, request, mode, history
+        self.meta = meta
+        self.cancel = threading.Event()
+        self.events: queue.Queue = queue.Queue()
+        self.live = {e: LiveRun(e) for e in ENGINES}
+        self.run_id: str | None = None
+        self.saved = False
+        self.save_error: str | None = None
+        self.ui_lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    # --- running ---------------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.history is not None:
+            self.run_id = self.history.start_run(mode=self.mode, settings=_settings(self.request),
+                                                 prompt=self.request.prompt, **self.meta)
+        if self.mode == "fair":
+            self._threads = [threading.Thread(target=self._alternate, daemon=True, name="specconsole-fair")]
+        else:
+            self._threads = [threading.Thread(target=self._race, args=(e,), daemon=True, name=f"specconsole-{e}")
+                             for e in ENGINES]
+        for t in self._threads:
+            t.start()
+
+    def _stream(self, engine: str, clock):
+        return getattr(self.backend, engine)(self.request, self.cancel, clock)
+
+    def _alternate(self) -> None:
+        clocks = {e: EngineClock() for e in ENGINES}
+        streams = {e: self._stream(e, clocks[e]) for e in ENGINES}
+        while streams:
+            for engine in list(streams):
+                self.ui_lock.acquire()
+                clocks[engine].resume()
+                try:
+                    for event in streams[engine]:  # up to the end of this engine's next target pass
+                        self.events.put((engine, event))
+                        if isinstance(event, (StepRecord, RunResult)):
+                            break
+                    else:
+                        del streams[engine]
+                except Exception as e:  # noqa: BLE001 - an engine that dies is reported, the other goes on
+                    self._crashed(engine, e)
+                    del streams[engine]
+                finally:
+                    clocks[engine].pause()
+                    self.ui_lock.release()
+
+    def _race(self, engine: str) -> None:
+        try:
+            for event in self._stream(engine, time.perf_counter):
+                self.events.put((engine, event))
+        except Exception as e:  # noqa: BLE001
+            self._crashed(engine, e)
+
+    def _crashed(self, engine: str, error: Exception) -> None:
+        log.exception("%s engine crashed", engine)
+        result = RunResult(engine=engine, method="", prompt_tokens=0, finish_reason="error",
+                           error=f"{type(error).__name__}: {error}")
+        result.metrics = run_metrics(result)
+        self.events.put((engine, result))
+
+    # --- reading ---------------------------------------------------------------------------------------------------
+
+    def poll(self, timeout: float = 0.1) -> bool:
+        """Apply the events that arrived (waiting up to `timeout` for the first); True when both engines finished."""
+        try:
+            engine, event = self.events.get(timeout=timeout)
+            self.live[engine].apply(event)
+            while True:
+                engine, event = self.events.get_nowait()
+                self.live[engine].apply(event)
+        except queue.Empty:
+            pass
+        done = all(r.finished for r in self.live.values())
+        if done and not self.saved:
+            self._save()
+        return done
+
+    @property
+    def results(self) -> dict[str, RunResult]:
+        return {e: self.live[e].snapshot() for e in ENGINES}
+
+    def comparison(self) -> dict:
+        r = self.results
+        return compare(r["baseline"], r["speculative"], self.request.sampling.greedy)
+
+    @property
+    def status(self) -> str:
+        results = self.results
+        if any(r.error for r in results.values()):
+            return "failed"
+        if self.cancel.is_set() or any(r.finish_reason == "cancelled" for r in results.values()):
+            return "cancelled"
+        return "completed"
+
+    @property
+    def error(self) -> str | None:
+        errors = [f"{e}: {r.error}" for e, r in self.results.items() if r.error]
+        return "; ".join(errors) or None
+
+    def _save(self) -> None:
+        self.saved = True
+        if self.history is None or self.run_id is None:
+            return
+        try:
+            self.history.finish_run(self.run_id, self.status, self.results, self.comparison(), self.error)
+        except Exception:  # noqa: BLE001 - never lose the on-screen result because the disk failed
+            log.exception("could not save run %s", self.run_id)
+            self.save_error = f"the run could not be saved to {self.history.path}"
+
+
+def _settings(request) -> dict:
+    d = asdict(request)
+    d.pop("prompt")
+    sampling = d.pop("sampling")
+    d.update(sampling)
+    d["stop_strings"] = list(d["stop_strings"])
+    return d

@@ -1,0 +1,137 @@
+"""A real browser drives the real console: Debian's Chromium through playwright, the app in a subprocess with the
+small SmolLM2 preset, a real SQLite file."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+CHROMIUM = "/usr/bin/chromium"
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "artifacts"
+
+pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def console(tmp_path_factory, smol_dir):
+    db = tmp_path_factory.mktemp("db") / "history.db"
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False")
+    log = open(tmp_path_factory.mktemp("log") / "console.log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "launch.py", "--preset", "smollm2-ngram", "--port", str(port), "--db", str(db)],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert proc.poll() is None, "the console exited at start"
+            time.sleep(0.5)
+    else:
+        pytest.fail("the console did not come up")
+    yield url, db
+    proc.terminate()
+    proc.wait(30)
+    log.seek(0)
+    print(log.read()[-3000:])
+
+
+@pytest.fixture(scope="module")
+def page():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(
+            executable_path=CHROMIUM, headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync"],
+        )
+        context = browser.new_context(viewport={"width": 1500, "height": 1700}, accept_downloads=True)
+        yield context.new_page()
+        browser.close()
+
+
+def test_run_history_and_csv(console, page, tmp_path):
+    from playwright.sync_api import expect
+
+    url, db = console
+    page.goto(url)
+    page.wait_for_selector("#model-status:has-text('Ready')", timeout=120_000)
+
+    prompt = 'Repeat this JSON exactly, then add a field "age": {"name": "Ada", "city": "London", "langs": ["en", "fr"]}'
+    page.fill("#prompt textarea", prompt)
+    temperature = page.locator("#temperature input[type=number]")
+    temperature.fill("0")
+    temperature.press("Enter")
+    page.click("#run")
+    done = "#speculative-panel .panel-status:not(:has-text('running'))"
+    page.wait_for_selector(done, timeout=180_000)
+    page.wait_for_selector("#baseline-panel .panel-status:not(:has-text('running'))", timeout=180_000)
+
+    assert page.locator("#baseline-panel .tok.baseline").count() > 5
+    assert page.locator("#speculative-panel .tok.accepted").count() > 0
+    assert page.locator("#speculative-panel .tok.recovered, #speculative-panel .tok.bonus").count() > 0
+    assert page.locator("#baseline-panel .tok.accepted").count() == 0
+    assert "identical to the baseline" in page.inner_text("#figures")
+    # the tokens chart has drawn a line per engine
+    expect(page.locator("#chart-tokens g.trace.scatter")).to_have_count(2, timeout=30_000)
+    assert page.locator("#chart-steps g.trace.bars").count() >= 1
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "console.png"), full_page=True)
+
+    page.get_by_role("tab", name="History").click()
+    expect(page.locator("#history-table")).to_contain_text("completed", timeout=30_000)
+    page.click("#export-all")
+    link = page.locator("#export-files a[download='specconsole_runs.csv']")
+    link.wait_for(timeout=30_000)
+    with page.expect_download() as download:
+        link.click()
+    path = tmp_path / "runs.csv"
+    download.value.save_as(path)
+    runs = pd.read_csv(path)
+    assert len(runs) == 1 and runs.loc[0, "status"] == "completed" and runs.loc[0, "prompt"].startswith("Repeat")
+    assert runs.loc[0, "identical"] == 1
+    page.screenshot(path=str(ARTIFACTS / "history.png"), full_page=True)
+
+
+def test_page_is_up_before_models_finish(tmp_path):
+    """The page answers while the models are still loading (here: a preset whose weights are not cached)."""
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", SPECCONSOLE_CACHE=str(tmp_path / "empty-cache"))
+    proc = subprocess.Popen(
+        [sys.executable, "launch.py", "--preset", "smollm2-ngram", "--port", str(port), "--db", str(tmp_path / "h.db")],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        import httpx
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        else:
+            pytest.fail("the page did not come up within 60 s")
+        # the models cannot be ready yet: the weights still have to be fetched and dequantized
+        assert not (tmp_path / "empty-cache" / "models" / "smollm2-135m-instruct" / "config.json").exists()
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -1,0 +1,155 @@
+"""Console logic without a browser: events in, HTML / figures / rows / CSV out."""
+
+import sqlite3
+
+import pandas as pd
+import pytest
+
+from engine.backend import LocalBackend, Request
+from engine.events import TokenEvent, TokenKind
+from engine.models import LoadedModel
+from specconsole import charts
+from specconsole.export import export_csv, neutralise
+from specconsole.history import History, HistoryError
+from specconsole.render import figures_html, token_span, tokens_html
+from specconsole.runner import Comparison, EngineClock
+from tests.conftest import CPU
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_chat_pair, smol_tokenizer):
+    target, draft = tiny_chat_pair
+    return LocalBackend(LoadedModel("tiny", target, smol_tokenizer, CPU), LoadedModel("tiny-draft", draft, smol_tokenizer, CPU))
+
+
+def run_to_end(comp: Comparison) -> Comparison:
+    comp.start()
+    for _ in range(3000):
+        if comp.poll(timeout=0.05):
+            return comp
+    raise AssertionError("the comparison did not finish")
+
+
+def test_tokens_are_escaped():
+    evil = TokenEvent(TokenKind.ACCEPTED, 1, '<script>alert("x")</script>', 1, 0, 0.1, 0, 0.5, 0.25)
+    html = token_span(evil)
+    assert "<script>" not in html and "&lt;script&gt;" in html
+    assert 'class="tok accepted"' in html and "p(target) = 0.500" in html and "q(draft) = 0.250" in html
+    rejected = token_span(TokenEvent(TokenKind.REJECTED, 2, "a&b", 1, 1, 0.1))
+    assert rejected.startswith("<del") and "a&amp;b" in rejected
+    assert "&lt;b&gt;" in tokens_html([], error="<b>bad</b>")
+
+
+def test_rejected_drafts_can_be_hidden():
+    toks = [TokenEvent(TokenKind.ACCEPTED, 1, "x", 1, 0, 0.1, 0), TokenEvent(TokenKind.REJECTED, 2, "y", 1, 1, 0.1)]
+    assert "rejected" in tokens_html(toks, show_rejected=True)
+    assert "rejected" not in tokens_html(toks, show_rejected=False)
+
+
+def test_csv_cells_are_neutralised():
+    for cell in ["=1+1", "+SUM(A1)", "-2+3", "@cmd", "\tx"]:
+        assert neutralise(cell) == "'" + cell
+    assert neutralise("plain") == "plain" and neutralise(-3) == -3
+
+
+@pytest.mark.parametrize("mode", ["fair", "race"])
+def test_comparison_saved_and_rebuilt(backend, tmp_path, mode):
+    history = History(tmp_path / "h.db")
+    req = Request(prompt="=cmd|' /C calc'!A0 <script>", max_new_tokens=24, method="draft", k=3)
+    comp = run_to_end(Comparison(backend, req, mode, history, {"category": "code", "backend": "local", "method": "draft"}))
+    assert comp.status == "completed"
+    c = comp.comparison()
+    assert c["identical"] is True
+
+    row = history.run(comp.run_id)
+    assert row["status"] == "completed" and row["mode"] == mode and row["identical"] == 1
+    rebuilt = history.results(comp.run_id)
+    live = comp.results
+    for engine in ("baseline", "speculative"):
+        assert [t.to_dict() for t in rebuilt[engine].tokens] == [t.to_dict() for t in live[engine].tokens]
+        assert rebuilt[engine].steps == live[engine].steps
+    # the same HTML and figures come out of a rebuilt run
+    assert tokens_html(rebuilt["speculative"].tokens) == tokens_html(live["speculative"].tokens)
+    fig = charts.tokens_over_time(rebuilt["baseline"], rebuilt["speculative"])
+    assert [len(t.x) for t in fig.data] == [24, 24]
+    assert "speedup" in figures_html(rebuilt["baseline"], rebuilt["speculative"], c, mode, None)
+
+    summary, tokens = export_csv(history, tmp_path / "out")
+    runs = pd.read_csv(summary)
+    assert list(runs["id"]) == [comp.run_id] and runs.loc[0, "prompt"].startswith("'=cmd")
+    toks = pd.read_csv(tokens, keep_default_na=False)
+    assert set(toks["engine"]) == {"baseline", "speculative"}
+    assert len(toks) == len(live["baseline"].tokens) + len(live["speculative"].tokens)
+
+
+def test_fair_mode_clocks_exclude_the_other_engine(backend, tmp_path):
+    req = Request(prompt="hello there", max_new_tokens=40, method="draft", k=2)
+    comp = run_to_end(Comparison(backend, req, "fair", None, {}))
+    b, s = comp.results["baseline"], comp.results["speculative"]
+    own = sum(st.verify_ms + st.draft_ms for st in b.steps) / 1000
+    # the baseline's clock counted its own passes (plus bookkeeping), not the speculative engine's
+    assert own <= b.total_s < own + 0.5 * s.total_s + 0.05
+
+
+def test_engine_clock_pauses():
+    clock = EngineClock()
+    clock.resume()
+    clock.pause()
+    frozen = clock()
+    assert clock() == frozen
+
+
+def test_cancel_keeps_a_cancelled_run(backend, tmp_path):
+    history = History(tmp_path / "h.db")
+    req = Request(prompt="hello", max_new_tokens=4000 // 20, method="draft", k=2)
+    comp = Comparison(backend, req, "fair", history, {"category": "chat"})
+    comp.cancel.set()
+    run_to_end(comp)
+    assert comp.status == "cancelled"
+    assert history.run(comp.run_id)["status"] == "cancelled"
+
+
+def test_engine_error_fails_one_panel_and_saves(backend, tmp_path, monkeypatch):
+    history = History(tmp_path / "h.db")
+    original = backend.speculative
+
+    def broken(req, cancel=None, clock=None):
+        gen = original(req, cancel, clock)
+        yield next(gen)
+        raise RuntimeError("the draft fell over")
+
+    monkeypatch.setattr(backend, "speculative", broken)
+    comp = run_to_end(Comparison(backend, Request(prompt="hi", max_new_tokens=12, k=2), "fair", history, {}))
+    assert comp.results["baseline"].finish_reason == "length"  # the other engine finished
+    assert "the draft fell over" in comp.results["speculative"].error
+    row = history.run(comp.run_id)
+    assert row["status"] == "failed" and "the draft fell over" in row["error"]
+
+
+def test_interrupted_run_is_marked_at_next_start(tmp_path):
+    history = History(tmp_path / "h.db")
+    run_id = history.start_run(category="code", prompt="x")
+    del history
+    assert History(tmp_path / "h.db").run(run_id)["status"] == "interrupted"
+
+
+def test_corrupt_database_gives_a_clear_message(tmp_path):
+    bad = tmp_path / "bad.db"
+    bad.write_bytes(b"this is not a database" * 100)
+    with pytest.raises(HistoryError, match="cannot be used"):
+        History(bad)
+
+
+def test_unwritable_database_location(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(HistoryError):
+        History(blocker / "sub" / "h.db")
+
+
+def test_delete(tmp_path):
+    history = History(tmp_path / "h.db")
+    keep, gone = history.start_run(prompt="a"), history.start_run(prompt="b")
+    history.delete([gone])
+    assert [r["id"] for r in history.runs()] == [keep]
+    assert sqlite3.connect(tmp_path / "h.db").execute("PRAGMA journal_mode").fetchone()[0] == "wal"
