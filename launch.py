@@ -26,6 +26,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS), help="models to load")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--strict", action="store_true", help="bitwise-exact target kernels (a little slower)")
+    p.add_argument("--target", help="target model instead of the preset's: a model directory or a .gguf file")
+    p.add_argument("--draft", help="draft model instead of the preset's (same tokenizer as the target)")
+
+
+def preset_of(args):
+    from engine.models import custom_preset
+
+    return custom_preset(args.preset, args.target, args.draft)
 
 
 def add_request_args(p: argparse.ArgumentParser) -> None:
@@ -43,14 +51,13 @@ def add_request_args(p: argparse.ArgumentParser) -> None:
 
 def build_request(args, prompt: str):
     from engine.backend import Request
-    from engine.models import PRESETS
     from engine.sampling import SamplingParams
 
     return Request(
         prompt=prompt,
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed),
-        method=args.method or PRESETS[args.preset].method,
+        method=args.method or preset_of(args).method,
         k=args.k,
         dynamic_k=args.dynamic_k,
         fallback=args.fallback,
@@ -63,7 +70,7 @@ def demo(args) -> int:
     from engine.events import RunResult, TokenEvent
     from engine.metrics import compare
 
-    backend = LocalBackend.from_preset(args.preset, args.device, args.strict)
+    backend = LocalBackend.from_preset(preset_of(args), args.device, args.strict)
     req = build_request(args, args.prompt)
     backend.prompt_ids(req)  # validate before printing anything
     results = {}
@@ -124,7 +131,7 @@ def console(args) -> int:
     except HistoryError as e:
         log.error("%s", e)
         return 2
-    host = ModelHost(args.preset, args.device, args.strict).start()  # the page is up while the models load
+    host = ModelHost(preset_of(args), args.device, args.strict).start()  # the page is up while the models load
     log.info("history in %s; open http://%s:%d", args.db, args.host, args.port)
     launch(host, history, args.host, args.port, auth)
     return 0

@@ -47,6 +47,17 @@ PRESETS = {
 DEFAULT_PRESET = "qwen-coder"
 
 
+def custom_preset(base: str, target: str | None, draft: str | None, int8_draft: bool = True) -> Preset:
+    """A preset with its target and/or draft replaced by a model directory, a .gguf file or a known model name."""
+    p = PRESETS[base]
+    if target is None and draft is None:
+        return p
+    target = target or p.target
+    draft = draft if draft is not None else (p.draft if target == p.target else None)
+    method = "draft" if draft else "ngram"
+    return Preset("custom", target, draft, method, f"{target} with {draft or 'n-gram drafts'}", int8_draft)
+
+
 @dataclass
 class LoadedModel:
     name: str

@@ -7,14 +7,14 @@ import threading
 import time
 
 from engine.backend import LocalBackend
-from engine.models import PRESETS
+from engine.models import PRESETS, Preset
 
 log = logging.getLogger(__name__)
 
 
 class ModelHost:
-    def __init__(self, preset: str, device: str | None = None, strict: bool = False):
-        self.preset = PRESETS[preset]
+    def __init__(self, preset: Preset | str, device: str | None = None, strict: bool = False):
+        self.preset = PRESETS[preset] if isinstance(preset, str) else preset
         self.device, self.strict = device, strict
         self.backend: LocalBackend | None = None
         self.error: str | None = None
