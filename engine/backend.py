@@ -81,6 +81,12 @@ class LocalBackend:
         draft = load(preset.draft, "draft", dev, int8=preset.int8_draft, on_progress=on_progress) if preset.draft else None
         return cls(target, draft)
 
+    fair_strategy = "alternate"  # in-process engines are fair when they take turns, one target pass each
+
+    def describe(self) -> dict:
+        return {"backend": "local", "target_model": self.target.name,
+                "draft_model": self.draft.name if self.draft else None}
+
     def prompt_ids(self, req: Request) -> list[int]:
         req.validate()
         if req.method == "draft" and self.draft is None:

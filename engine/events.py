@@ -9,6 +9,8 @@ the target scores them all in a single forward pass:
     bonus      the target's extra token after all K drafts were kept (sampled from p).
     baseline   a token from plain decoding: one target forward pass, one token, no draft involved (the
                baseline engine, the first token after prefill, and steps where speculation is switched off).
+    pending    a token streamed by a server that tells the kinds only when the request ends (vLLM): it is
+               re-classified then, or stays pending if the server never says.
 
 Output tokens are accepted + recovered/bonus (or baseline) tokens, in order. A step therefore commits between
 1 and K+1 tokens.
@@ -26,9 +28,8 @@ class TokenKind(str, Enum):
     RECOVERED = "recovered"
     BONUS = "bonus"
     REJECTED = "rejected"
+    PENDING = "pending"
 
-
-OUTPUT_KINDS = (TokenKind.BASELINE, TokenKind.ACCEPTED, TokenKind.RECOVERED, TokenKind.BONUS)
 
 
 @dataclass

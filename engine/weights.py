@@ -169,10 +169,14 @@ def dequantize_gguf(gguf: Path, out: Path, on_progress: Progress | None = None) 
     partial = out.with_name(out.name + ".partial")
     partial.mkdir(parents=True, exist_ok=True)
     # save_pretrained refuses models loaded from GGUF; the dequantized tensors are plain float32, so we save
-    # them ourselves (save_model handles tied embeddings) and drop the GGUF marker from the config.
-    from safetensors.torch import save_model
+    # them ourselves and drop the GGUF marker from the config. With tied embeddings only the embedding matrix is
+    # stored, under its own name, as other loaders (vLLM) expect.
+    from safetensors.torch import save_file
 
-    save_model(model, str(partial / "model.safetensors"), metadata={"format": "pt"})
+    state = {name: t.contiguous() for name, t in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(partial / "model.safetensors"), metadata={"format": "pt"})
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.save_pretrained(partial)

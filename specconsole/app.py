@@ -81,9 +81,9 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
             yield tokens_html([], error=str(e)), tokens_html([], error=str(e)), "", gr.skip(), gr.skip(), gr.skip()
             return
         with host.lock:
-            p = host.preset
-            meta = dict(category=category, backend="local", target_model=p.target,
-                        draft_model=p.draft if method == "draft" else None, method=method)
+            meta = {"method": method, **host.backend.describe(), "category": category}
+            if meta["backend"] == "local" and method != "draft":
+                meta["draft_model"] = None
             comp = Comparison(host.backend, req, mode, history, meta)
             active[session] = comp
             comp.start()
@@ -192,8 +192,8 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
                         run_btn = gr.Button("Run", variant="primary", elem_id="run")
                         stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
                 with gr.Column(scale=2):
-                    backend = gr.Dropdown(["local"], value="local", label="Backend", interactive=False)
-                    method = gr.Radio(["draft", "ngram"], value=host.preset.method, label="Drafting method")
+                    gr.Markdown(f"Backend: **{escape(host.label)}**")
+                    method = gr.Radio(["draft", "ngram"], value=host.method, label="Drafting method (local backend)")
                     with gr.Row():
                         k = gr.Slider(1, MAX_K, value=4, step=1, label="K (draft tokens per step)")
                         dynamic_k = gr.Checkbox(value=True, label="Dynamic K")

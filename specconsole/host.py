@@ -1,22 +1,21 @@
-"""Loads the models in the background, so that the page is up at once and shows the progress meanwhile."""
+"""Loads the models (or starts the vLLM servers) in the background, so that the page is up at once and shows the
+progress meanwhile."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-
-from engine.backend import LocalBackend
-from engine.models import PRESETS, Preset
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
 
 class ModelHost:
-    def __init__(self, preset: Preset | str, device: str | None = None, strict: bool = False):
-        self.preset = PRESETS[preset] if isinstance(preset, str) else preset
-        self.device, self.strict = device, strict
-        self.backend: LocalBackend | None = None
+    def __init__(self, label: str, factory: Callable, method: str = "draft"):
+        """factory(on_progress) builds the backend; `method` is the drafting method the page starts with."""
+        self.label, self.factory, self.method = label, factory, method
+        self.backend = None
         self.error: str | None = None
         self.stage, self.done, self.total = "waiting to load", 0.0, 1.0
         self.started = time.monotonic()
@@ -32,7 +31,7 @@ class ModelHost:
 
     def _load(self) -> None:
         try:
-            self.backend = LocalBackend.from_preset(self.preset, self.device, self.strict, on_progress=self._progress)
+            self.backend = self.factory(self._progress)
             self.stage = "ready"
             log.info("models ready after %.0f s", time.monotonic() - self.started)
         except Exception as e:  # noqa: BLE001 - shown in the page; the console stays up
@@ -49,9 +48,12 @@ class ModelHost:
 
     def status(self) -> str:
         if self.error:
-            return f"Loading the models failed: {self.error}"
+            return f"Loading failed ({self.label}): {self.error}"
         if self.ready:
-            draft = self.preset.draft or "n-gram prompt lookup"
-            return f"Ready: target {self.preset.target}, draft {draft} ({self.backend.target.device})"
+            return f"Ready: {self.label}"
         pct = 100 * self.done / self.total if self.total else 0
-        return f"Loading models: {self.stage} ({pct:.0f}%, {time.monotonic() - self.started:.0f} s)"
+        return f"Loading {self.label}: {self.stage} ({pct:.0f}%, {time.monotonic() - self.started:.0f} s)"
+
+    def close(self) -> None:
+        if self.backend is not None and hasattr(self.backend, "close"):
+            self.backend.close()

@@ -12,6 +12,7 @@ KIND_HELP = {
     TokenKind.BONUS: "bonus: the target's extra token after all drafts were kept",
     TokenKind.BASELINE: "plain decoding: one target pass, one token",
     TokenKind.REJECTED: "rejected: draft text the target refused (not part of the answer)",
+    TokenKind.PENDING: "pending: streamed by the server, classified when the request ends",
 }
 
 

