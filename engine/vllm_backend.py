@@ -225,10 +225,14 @@ class VLLMBackend:
                     s.stop()
                 raise
             servers.append(server)
+        backend = cls(servers[0].url, servers[1].url, servers[0].config.served_name, servers=servers,
+                      speculative=speculative)
         if on_progress:
-            on_progress("vLLM servers ready", 2, 2)
-        return cls(servers[0].url, servers[1].url, servers[0].config.served_name, servers=servers,
-                   speculative=speculative)
+            on_progress("warming up the vLLM servers", 2, 3)
+        backend.warm_up()
+        if on_progress:
+            on_progress("vLLM servers ready", 3, 3)
+        return backend
 
     @classmethod
     def attach(cls, baseline_url: str, speculative_url: str, api_key: str | None = None) -> "VLLMBackend":
@@ -249,6 +253,12 @@ class VLLMBackend:
             raise VLLMError("expected the first server without and the second with speculative decoding; "
                             f"they report spec-decode metrics: {specs[0]} and {specs[1]}")
         return cls(baseline_url, speculative_url, roots[1][0], api_key)
+
+    def warm_up(self) -> None:
+        """One short request each: a server's first request pays one-off costs that would distort the first run."""
+        for url in self.urls.values():
+            httpx.post(url + "/v1/completions", json={"model": self.model, "prompt": "Hello", "max_tokens": 4},
+                       headers=self.headers, timeout=120)
 
     def close(self) -> None:
         for server in self.servers:

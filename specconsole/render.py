@@ -76,8 +76,18 @@ def figures_html(baseline: RunResult | None, speculative: RunResult | None, comp
                                         f'{_fmt(comparison.get("machine_bound"), ".2f", "×")}'),
         ("efficiency (speedup / machine bound)", _fmt(comparison.get("efficiency"), ".2f")),
         ("fallbacks", str(s.get("fallback_count", "–"))),
-        ("mode", escape(mode)),
     ]
+    if "vllm_time_to_first_token_ms" in s:  # what the vLLM servers measured themselves
+        rows += [
+            ("vLLM TTFT ms (baseline | speculative)",
+             f'{_fmt(b.get("vllm_time_to_first_token_ms"), ".0f")} | {_fmt(s.get("vllm_time_to_first_token_ms"), ".0f")}'),
+            ("vLLM ITL ms (baseline | speculative)",
+             f'{_fmt(b.get("vllm_mean_itl_ms"), ".1f")} | {_fmt(s.get("vllm_mean_itl_ms"), ".1f")}'),
+            ("vLLM tokens/s (baseline | speculative)",
+             f'{_fmt(b.get("vllm_tokens_per_second"), ".1f")} | {_fmt(s.get("vllm_tokens_per_second"), ".1f")}'),
+            ("highlighting", escape(str(s.get("highlighting", "–")))),
+        ]
+    rows.append(("mode", escape(mode)))
     cells = "".join(f'<div class="fig"><div class="fig-label">{escape(k)}</div><div class="fig-value">{v}</div></div>'
                     for k, v in rows)
     return f'<div class="figures">{cells}</div><div class="exactness">{exact}</div>'

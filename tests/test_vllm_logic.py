@@ -1,0 +1,70 @@
+"""vLLM backend logic without a server: config building, classification from per-step arrays, /metrics parsing."""
+
+import json
+
+import pytest
+
+from engine.events import TokenKind
+from engine.vllm_backend import ServerConfig, VLLMError, classify, metrics_delta, parse_metrics, speculative_config
+
+A, B, REC, BASE = TokenKind.ACCEPTED, TokenKind.BONUS, TokenKind.RECOVERED, TokenKind.BASELINE
+
+
+def test_speculative_configs():
+    assert speculative_config("ngram", 4) == {"method": "ngram", "num_speculative_tokens": 4,
+                                              "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    assert speculative_config("draft_model", 6, "/m/draft")["model"] == "/m/draft"
+    assert speculative_config("eagle3", 3, "/m/eagle") == {"method": "eagle3", "num_speculative_tokens": 3,
+                                                          "model": "/m/eagle"}
+    with pytest.raises(VLLMError, match="needs a draft"):
+        speculative_config("draft_model", 4)
+    with pytest.raises(VLLMError, match="unknown"):
+        speculative_config("magic", 4)
+    with pytest.raises(VLLMError, match="K must"):
+        speculative_config("ngram", 0)
+
+
+def test_server_commands():
+    spec = ServerConfig("speculative", "/m", 8102, "/venv/bin/python", {"method": "ngram", "num_speculative_tokens": 4},
+                        gpu=False, cpu_core=1)
+    cmd = spec.command()
+    assert cmd[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert json.loads(cmd[cmd.index("--speculative-config") + 1])["num_speculative_tokens"] == 4
+    assert "--per-request-spec-decode-metrics" in cmd and "--enforce-eager" in cmd
+    assert spec.env()["VLLM_CPU_OMP_THREADS_BIND"] == "1" and spec.env()["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    base = ServerConfig("baseline", "/m", 8101, gpu=True, gpu_memory_utilization=0.4).command()
+    assert "--per-request-spec-decode-metrics" not in base  # vLLM refuses it without speculation
+    assert base[base.index("--gpu-memory-utilization") + 1] == "0.4"
+
+
+def test_classify_all_kinds():
+    # prefill token, step 1: 2 of 3 accepted, step 2: 3 of 3 accepted (+bonus), step 3: nothing drafted
+    kinds = classify(1 + 3 + 4 + 1, [2, 3, 0], [3, 3, 0])
+    assert [k for k, _, _ in kinds] == [BASE, A, A, REC, A, A, A, B, BASE]
+    assert [(s, p) for _, s, p in kinds][:4] == [(0, 0), (1, 0), (1, 1), (1, 2)]
+
+
+def test_classify_last_step_cut_by_a_stop():
+    kinds = classify(1 + 5 + 2, [4, 4], [4, 4])  # EOS among the second step's accepted drafts
+    assert [k for k, _, _ in kinds] == [BASE, A, A, A, A, B, A, A]
+
+
+def test_classify_refuses_counts_that_do_not_add_up():
+    assert classify(20, [1, 1], [4, 4]) is None  # too few steps for 20 tokens
+    assert classify(3, [4, 4], [4, 4]) is None  # the second step would have produced nothing
+
+
+def test_parse_metrics_and_delta():
+    page = """# HELP x
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 5.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 20.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 12.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 5.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 4.0
+vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e9
+"""
+    after = parse_metrics(page)
+    assert after["num_drafts"] == 5 and after["num_accepted_tokens"] == 12 and after["per_pos"] == {0: 5.0, 1: 4.0}
+    before = parse_metrics(page.replace("5.0", "2.0").replace("20.0", "8.0"))
+    d = metrics_delta(before, after)
+    assert d["num_drafts"] == 3 and d["num_draft_tokens"] == 12 and d["per_pos"][0] == 3
