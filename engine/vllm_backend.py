@@ -34,6 +34,7 @@ import httpx
 
 from engine.events import Event, RunResult, StepRecord, TokenEvent, TokenKind
 from engine.metrics import run_metrics
+from engine.models import chat_messages
 
 log = logging.getLogger(__name__)
 
@@ -296,7 +297,7 @@ class VLLMBackend:
         if req.stop_strings:
             body["stop"] = list(req.stop_strings)
         if req.chat:
-            return "/v1/chat/completions", body | {"messages": [{"role": "user", "content": req.prompt}],
+            return "/v1/chat/completions", body | {"messages": chat_messages(req.prompt, req.earlier_turns),
                                                    "top_logprobs": 0}
         return "/v1/completions", body | {"prompt": req.prompt, "logprobs": 0}
 

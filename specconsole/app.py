@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+import threading
 import time
 from html import escape
 from pathlib import Path
@@ -21,7 +22,10 @@ from specconsole.history import History, HistoryError
 from specconsole.host import ModelHost
 from specconsole.render import figures_html, legend_html, tokens_html
 from specconsole.runner import MODES, Comparison
-from specconsole.suites import categories, load_suite
+from specconsole.advisor import advise
+from specconsole.report import ab_chart, figures as suite_figures, write_csvs, write_html
+from specconsole.suites import categories, load_file, load_suite
+from specconsole.workbench import SWEEPS, aggregate, concurrency_sweep, run_suite, runs_frame
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +177,126 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
         out = Path(tempfile.mkdtemp(prefix="specconsole-export-"))
         return [str(p) for p in export_csv(history, out, ids)]
 
+    # --- workbench -------------------------------------------------------------------------------------------------
+
+    active_suites: dict[str, threading.Event] = {}
+    concurrency_results: dict[str, pd.DataFrame] = {}
+
+    def suite_view(suite_id: str, variable: str | None):
+        runs = runs_frame(history, suite_id)
+        agg = aggregate(runs)
+        conc = concurrency_results.get(suite_id)
+        advice = advise(agg, variable, memory=None, concurrency=conc) if not agg.empty or conc is not None else []
+        table = agg.drop(columns=["per_position"]).round(3) if not agg.empty else conc
+        figs = suite_figures(agg if not agg.empty else pd.DataFrame(columns=["category", "sweep_value"]), conc)
+        figs += [None] * (4 - len(figs))
+        text = "\n\n".join(a.markdown() for a in advice) or "No completed runs to advise on."
+        return table, *figs[:4], text
+
+    def run_suite_ui(cats_chosen, upload, n, max_tokens, variable, values, method, k, dynamic_k, confidence,
+                     fallback, top_p, seed, mode, request: gr.Request):
+        session = request.session_hash if request else "local"
+        nothing = (gr.skip(),) * 7  # the suite id, the table, four charts and the advice stay as they are
+        if not host.ready:
+            yield f'<div class="panel-error">{escape(host.status())}</div>', *nothing
+            return
+        try:
+            items = [item for c in (cats_chosen or []) for item in load_suite(c)[: int(n)]]
+            if upload:
+                items += load_file(upload)[: int(n)]
+            if not items:
+                raise ValueError("choose at least one suite or upload a JSONL / CSV file")
+            vals = [v.strip() for v in (values or "").split(",") if v.strip()] or SWEEPS[variable]
+            base = Request(prompt="-", max_new_tokens=int(max_tokens), method=method, k=int(k),
+                           dynamic_k=bool(dynamic_k), k_max=max(16, int(k)), fallback=bool(fallback),
+                           draft_confidence=float(confidence) if method == "draft" else 0.0,
+                           sampling=SamplingParams(0.0, 0, float(top_p), None if seed in (None, "") else int(seed)))
+            base.validate()
+        except (ValueError, SettingsError) as e:
+            yield f'<div class="panel-error">{escape(str(e))}</div>', *nothing
+            return
+        cancel = threading.Event()
+        active_suites[session] = cancel
+        progress = {"done": 0, "total": len(items) * (1 if variable == "concurrency" else len(vals)), "what": ""}
+        outcome: dict = {}
+
+        def work():
+            try:
+                if variable == "concurrency":
+                    sid = f"conc-{int(time.time())}"
+                    concurrency_results[sid] = concurrency_sweep(
+                        host.backend, items, [int(v) for v in vals], int(max_tokens),
+                        lambda d, t, w: progress.update(done=d, total=t, what=w))
+                    outcome["suite_id"] = sid
+                    return
+                meta = {"method": method, **host.backend.describe()}
+                result = run_suite(host.backend, items, base, history, meta, mode, variable, vals, cancel=cancel,
+                                   on_progress=lambda d, t, w: progress.update(done=d, total=t, what=w))
+                outcome["suite_id"], outcome["cancelled"] = result.suite_id, result.cancelled
+            except Exception as e:  # noqa: BLE001 - shown in the page
+                log.exception("suite failed")
+                outcome["error"] = f"{type(e).__name__}: {e}"
+
+        with host.lock:
+            worker = threading.Thread(target=work, daemon=True, name="specconsole-suite")
+            worker.start()
+            try:
+                while worker.is_alive():
+                    worker.join(0.5)
+                    pct = 100 * progress["done"] / max(1, progress["total"])
+                    bar = (f'<div class="status-line">{progress["done"]} of {progress["total"]} runs '
+                           f'({pct:.0f}%) {escape(progress["what"])}</div>'
+                           f'<progress max="100" value="{pct:.0f}" style="width:100%"></progress>')
+                    yield bar, *nothing
+            finally:
+                if worker.is_alive():  # the page went away: stop the suite after its current run
+                    cancel.set()
+                active_suites.pop(session, None)
+        if "error" in outcome:
+            yield f'<div class="panel-error">{escape(outcome["error"])}</div>', *nothing
+            return
+        sid = outcome["suite_id"]
+        note = " (stopped: the runs completed before Stop are kept)" if outcome.get("cancelled") else ""
+        status_html = f'<div class="status-line">Suite {escape(sid)} finished{note}.</div>'
+        yield status_html, sid, *suite_view(sid, None if variable == "none" else variable)
+
+    def stop_suite(request: gr.Request):
+        cancel = active_suites.get(request.session_hash if request else "local")
+        if cancel:
+            cancel.set()
+
+    def export_suite(suite_id):
+        suite_id = (suite_id or "").strip()
+        if not suite_id:
+            gr.Warning("Run or pick a suite first.")
+            return None
+        out = Path(tempfile.mkdtemp(prefix="specconsole-suite-"))
+        conc = concurrency_results.get(suite_id)
+        if conc is not None:
+            path = out / f"suite_{suite_id}_concurrency.csv"
+            conc.to_csv(path, index=False)
+            return [str(path), str(write_html(pd.DataFrame(columns=["category", "sweep_value"]),
+                                              advise(pd.DataFrame(columns=["category"]), concurrency=conc),
+                                              out / f"suite_{suite_id}.html", suite_id, host.label, conc))]
+        runs = runs_frame(history, suite_id)
+        agg = aggregate(runs)
+        variable = next((v for v in runs.get("sweep_variable", []) if v), None) if not runs.empty else None
+        paths = write_csvs(runs.drop(columns=["per_position"]), agg, out, suite_id)
+        paths.append(write_html(agg, advise(agg, variable), out / f"suite_{suite_id}.html", suite_id, host.label))
+        return [str(p) for p in paths]
+
+    def suite_choices():
+        ids = [r["suite_id"] for r in history.suites()]
+        return gr.update(choices=ids), gr.update(choices=ids)
+
+    def compare_suites(a, b):
+        if not a or not b:
+            return None, None
+        agg_a, agg_b = aggregate(runs_frame(history, a)), aggregate(runs_frame(history, b))
+        keep = ["category", "sweep_value", "runs", "speedup", "acceptance", "mean_accepted_length", "efficiency"]
+        both = pd.merge(agg_a[keep], agg_b[keep], on=["category", "sweep_value"], how="outer", suffixes=(" A", " B"))
+        return both.round(3), ab_chart(agg_a, agg_b, f"A {a}", f"B {b}")
+
     # --- layout ----------------------------------------------------------------------------------------------------
 
     cats = categories()
@@ -248,6 +372,42 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
             with gr.Row():
                 old_steps, old_pos, old_tokens = gr.Plot(), gr.Plot(), gr.Plot()
 
+        with gr.Tab("Workbench", elem_id="workbench-tab") as workbench_tab:
+            gr.Markdown("Run prompt suites on both engines (settings from the Run tab), sweep one variable, and see "
+                        "per category whether speculative decoding pays.")
+            with gr.Row():
+                suite_cats = gr.CheckboxGroup(cats, value=["code"], label="Suites", elem_id="suite-categories")
+                suite_file = gr.File(label="Or your own suite (JSONL / CSV)", file_types=[".jsonl", ".csv"],
+                                     type="filepath")
+            with gr.Row():
+                suite_n = gr.Slider(1, 8, value=2, step=1, label="Prompts per suite", elem_id="suite-n")
+                suite_tokens = gr.Slider(8, 512, value=64, step=8, label="Max new tokens", elem_id="suite-tokens")
+                sweep_var = gr.Dropdown(list(SWEEPS), value="none", label="Sweep")
+                sweep_vals = gr.Textbox(label="Sweep values (comma-separated; empty: the usual ones)")
+            with gr.Row():
+                suite_btn = gr.Button("Run suite", variant="primary", elem_id="run-suite")
+                suite_stop = gr.Button("Stop suite", variant="stop")
+            suite_status = gr.HTML(elem_id="suite-status")
+            suite_table = gr.Dataframe(elem_id="suite-table", interactive=False)
+            with gr.Row():
+                suite_speed = gr.Plot(elem_id="suite-speedup")
+                suite_acc = gr.Plot(elem_id="suite-acceptance")
+            with gr.Row():
+                suite_lat = gr.Plot(elem_id="suite-latency")
+                suite_conc = gr.Plot(elem_id="suite-concurrency")
+            advice_md = gr.Markdown(elem_id="advice")
+            with gr.Row():
+                suite_id_box = gr.Textbox(label="Suite id", elem_id="suite-id")
+                export_suite_btn = gr.Button("Export suite (CSV + HTML report)", elem_id="export-suite")
+            suite_files = gr.File(label="Suite files", file_count="multiple", elem_id="suite-files")
+            gr.Markdown("### A/B of two suites")
+            with gr.Row():
+                ab_a = gr.Dropdown([], label="Suite A")
+                ab_b = gr.Dropdown([], label="Suite B")
+                ab_btn = gr.Button("Compare")
+            ab_table = gr.Dataframe(interactive=False)
+            ab_plot = gr.Plot()
+
         inputs = [prompt, category, method, k, dynamic_k, confidence, fallback, temperature, top_p, max_new, seed,
                   mode, show_rejected]
         outputs = [base_panel, spec_panel, figures, chart_steps, chart_pos, chart_tokens]
@@ -267,6 +427,18 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
         delete_btn.click(delete_runs, [selected, filter_cat], [selected, table])
         export_sel.click(lambda s: export(s, False), selected, files)
         export_all.click(lambda s: export(s, True), selected, files)
+
+        suite_inputs = [suite_cats, suite_file, suite_n, suite_tokens, sweep_var, sweep_vals, method, k, dynamic_k,
+                        confidence, fallback, top_p, seed, mode]
+        suite_outputs = [suite_status, suite_id_box, suite_table, suite_speed, suite_acc, suite_lat, suite_conc,
+                         advice_md]
+        suite_event = suite_btn.click(run_suite_ui, suite_inputs, suite_outputs, concurrency_limit=1,
+                                      concurrency_id="engines")
+        suite_event.then(suite_choices, None, [ab_a, ab_b])
+        suite_stop.click(stop_suite, None, None, concurrency_limit=None)
+        export_suite_btn.click(export_suite, suite_id_box, suite_files)
+        workbench_tab.select(suite_choices, None, [ab_a, ab_b])
+        ab_btn.click(compare_suites, [ab_a, ab_b], [ab_table, ab_plot])
     return app
 
 

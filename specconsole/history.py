@@ -27,7 +27,7 @@ class HistoryError(RuntimeError):
 RUN_COLUMNS = {
     "id": str, "created_at": str, "finished_at": str, "status": str, "error": str, "category": str, "prompt": str,
     "backend": str, "target_model": str, "draft_model": str, "method": str, "mode": str, "settings": str,
-    "suite_id": str, "baseline_output": str, "speculative_output": str, "baseline_metrics": str,
+    "suite_id": str, "sweep_variable": str, "sweep_value": str, "baseline_output": str, "speculative_output": str, "baseline_metrics": str,
     "speculative_metrics": str, "comparison": str, "baseline_error": str, "speculative_error": str,
     "speedup": float, "acceptance_rate": float, "mean_accepted_length": float, "baseline_tps": float,
     "speculative_tps": float, "identical": int, "first_divergence": int,
@@ -64,6 +64,10 @@ class History:
             self.db["runs"].create(RUN_COLUMNS, pk="id")
             self.db["runs"].create_index(["category"])
             self.db["runs"].create_index(["created_at"])
+            self.db["runs"].create_index(["suite_id"])
+        for name, kind in RUN_COLUMNS.items():  # a database from an older version gains the new columns
+            if name not in self.db["runs"].columns_dict:
+                self.db["runs"].add_column(name, kind)
         if "tokens" not in self.db.table_names():
             self.db["tokens"].create(
                 {"run_id": str, "engine": str, "seq": int, "kind": str, "token_id": int, "text": str, "step": int,
@@ -144,9 +148,18 @@ class History:
 
     # --- reading ---------------------------------------------------------------------------------------------------
 
-    def runs(self, category: str | None = None, limit: int = 500) -> list[dict]:
-        where, args = ("category = ?", [category]) if category else (None, None)
+    def runs(self, category: str | None = None, limit: int = 500, suite_id: str | None = None) -> list[dict]:
+        clauses = [(c, v) for c, v in (("category = ?", category), ("suite_id = ?", suite_id)) if v]
+        where = " AND ".join(c for c, _ in clauses) or None
+        args = [v for _, v in clauses] or None
         return list(self.db["runs"].rows_where(where, args, order_by="created_at desc, rowid desc", limit=limit))
+
+    def suites(self) -> list[dict]:
+        return list(self.db.query(
+            "SELECT suite_id, min(created_at) AS started, count(*) AS runs, group_concat(DISTINCT category) AS "
+            "categories, max(sweep_variable) AS sweep FROM runs WHERE suite_id IS NOT NULL GROUP BY suite_id "
+            "ORDER BY started DESC"
+        ))
 
     def run(self, run_id: str) -> dict | None:
         rows = list(self.db["runs"].rows_where("id = ?", [run_id]))

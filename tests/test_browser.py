@@ -135,3 +135,29 @@ def test_page_is_up_before_models_finish(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_workbench_suite_advice_and_csv(console, page, tmp_path):
+    from playwright.sync_api import expect
+
+    url, _ = console
+    page.goto(url)
+    page.wait_for_selector("#model-status:has-text('Ready')", timeout=120_000)
+    page.get_by_role("tab", name="Workbench").click()
+    page.click("#run-suite")  # default: the code suite, 2 prompts, no sweep
+    expect(page.locator("#suite-status")).to_contain_text("finished", timeout=300_000)
+    expect(page.locator("#suite-table")).to_contain_text("code", timeout=30_000)
+    expect(page.locator("#suite-speedup g.trace.bars")).to_have_count(1, timeout=30_000)
+    advice = page.inner_text("#advice")
+    assert "code:" in advice and "measured median speedup" in advice and "x over 2 runs" in advice
+    page.click("#export-suite")
+    link = page.locator("#suite-files a[download$='_categories.csv']")
+    link.wait_for(timeout=30_000)
+    with page.expect_download() as download:
+        link.click()
+    path = tmp_path / "categories.csv"
+    download.value.save_as(path)
+    categories = pd.read_csv(path)
+    assert list(categories["category"]) == ["code"] and categories.loc[0, "runs"] == 2
+    assert page.locator("#suite-files a[download$='.html']").count() == 1
+    page.screenshot(path=str(ARTIFACTS / "workbench.png"), full_page=True)

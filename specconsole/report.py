@@ -1,0 +1,110 @@
+"""Suite results as figures, CSV files, and one self-contained HTML report to share after a talk."""
+
+from __future__ import annotations
+
+from html import escape
+from pathlib import Path
+
+import pandas as pd
+import plotly.graph_objects as go
+
+from specconsole.advisor import Advice
+from specconsole.charts import BLUE, GREY, LAYOUT, ORANGE, PURPLE
+from specconsole.export import neutralise
+
+
+def _label(row) -> str:
+    return f"{row['category']} {row['sweep_value']}".strip()
+
+
+def speedup_chart(agg: pd.DataFrame) -> go.Figure:
+    fig = go.Figure()
+    if not agg.empty:
+        labels = [_label(r) for _, r in agg.iterrows()]
+        fig.add_bar(x=labels, y=agg["speedup"], name="measured (median)", marker_color=BLUE,
+                    error_y=dict(type="data", symmetric=False, array=agg["speedup_max"] - agg["speedup"],
+                                 arrayminus=agg["speedup"] - agg["speedup_min"]))
+        fig.add_scatter(x=labels, y=agg["machine_bound"], name="bound on this machine", mode="markers",
+                        marker=dict(symbol="diamond", size=11, color=ORANGE))
+        fig.add_hline(y=1.0, line_dash="dot", line_color=GREY)
+    fig.update_layout(title="Speedup per category (min-max bars) vs bound", yaxis_title="x baseline", **LAYOUT)
+    return fig
+
+
+def acceptance_chart(agg: pd.DataFrame) -> go.Figure:
+    fig = go.Figure()
+    for _, row in agg.iterrows():
+        if row["per_position"]:
+            fig.add_scatter(x=list(range(1, len(row["per_position"]) + 1)), y=row["per_position"], name=_label(row),
+                            mode="lines+markers")
+    fig.update_layout(title="Per-position acceptance", xaxis_title="position in the draft",
+                      yaxis=dict(title="accepted fraction", range=[0, 1.05]), **LAYOUT)
+    return fig
+
+
+def latency_chart(agg: pd.DataFrame) -> go.Figure:
+    fig = go.Figure()
+    if not agg.empty:
+        labels = [_label(r) for _, r in agg.iterrows()]
+        fig.add_bar(x=labels, y=agg["tpot_ms_baseline"], name="TPOT baseline", marker_color=GREY)
+        fig.add_bar(x=labels, y=agg["tpot_ms_speculative"], name="TPOT speculative", marker_color=PURPLE)
+        fig.add_scatter(x=labels, y=100 * agg["prefill_share"], name="prefill share of time (%)", mode="markers",
+                        yaxis="y2", marker=dict(symbol="square", size=10, color=ORANGE))
+    fig.update_layout(title="Time per output token, and prefill's share", yaxis_title="ms",
+                      yaxis2=dict(title="%", overlaying="y", side="right", range=[0, 100]), barmode="group", **LAYOUT)
+    return fig
+
+
+def ab_chart(a: pd.DataFrame, b: pd.DataFrame, name_a: str, name_b: str) -> go.Figure:
+    fig = go.Figure()
+    for agg, name, colour in ((a, name_a, BLUE), (b, name_b, ORANGE)):
+        if not agg.empty:
+            fig.add_bar(x=[_label(r) for _, r in agg.iterrows()], y=agg["speedup"], name=name, marker_color=colour)
+    fig.update_layout(title="A/B: median speedup", barmode="group", yaxis_title="x baseline", **LAYOUT)
+    return fig
+
+
+def concurrency_chart(conc: pd.DataFrame | None) -> go.Figure:
+    fig = go.Figure()
+    if conc is not None and not conc.empty:
+        fig.add_scatter(x=conc["concurrency"], y=conc["speedup"], mode="lines+markers", marker_color=PURPLE,
+                        name="speedup")
+        fig.add_hline(y=1.0, line_dash="dot", line_color=GREY)
+    fig.update_layout(title="Speedup vs concurrent requests (vLLM)", xaxis=dict(title="parallel requests",
+                      type="log"), yaxis_title="x baseline", **LAYOUT)
+    return fig
+
+
+def figures(agg: pd.DataFrame, conc: pd.DataFrame | None = None) -> list[go.Figure]:
+    figs = [speedup_chart(agg), acceptance_chart(agg), latency_chart(agg)]
+    if conc is not None and not conc.empty:
+        figs.append(concurrency_chart(conc))
+    return figs
+
+
+def write_csvs(runs: pd.DataFrame, agg: pd.DataFrame, out_dir: Path, suite_id: str) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"suite_{suite_id}_runs.csv", out_dir / f"suite_{suite_id}_categories.csv"]
+    runs.map(neutralise).to_csv(paths[0], index=False)
+    agg.map(neutralise).to_csv(paths[1], index=False)
+    return paths
+
+
+def write_html(agg: pd.DataFrame, advice: list[Advice], out: Path, suite_id: str, title_note: str = "",
+               conc: pd.DataFrame | None = None) -> Path:
+    parts = [f"<h1>SpecConsole suite {escape(suite_id)}</h1>", f"<p>{escape(title_note)}</p>", "<h2>Advice</h2>"]
+    for a in advice:
+        settings = ", ".join(f"{k} = {v}" for k, v in a.settings.items())
+        parts.append(f"<h3>{escape(a.category)}: {escape(a.verdict)}"
+                     + (f" (expected {a.expected_speedup:.2f}x)" if a.expected_speedup else "")
+                     + (f" with {escape(settings)}" if settings else "") + "</h3><ul>"
+                     + "".join(f"<li>{escape(r)}</li>" for r in a.reasons) + "</ul>")
+    parts.append("<h2>Per category</h2>")
+    parts.append(agg.map(neutralise).to_html(index=False, float_format=lambda v: f"{v:.3g}"))
+    for i, fig in enumerate(figures(agg, conc)):  # plotly.js is embedded once: the file works offline
+        parts.append(fig.to_html(full_html=False, include_plotlyjs=(i == 0)))
+    out.write_text("<!doctype html><html><head><meta charset='utf-8'><title>SpecConsole report</title>"
+                   "<style>body{font-family:sans-serif;max-width:1100px;margin:auto}table{border-collapse:collapse}"
+                   "td,th{border:1px solid #ccc;padding:3px 6px}</style></head><body>" + "\n".join(parts)
+                   + "</body></html>")
+    return out
