@@ -190,7 +190,8 @@ def suite(args) -> int:
     from engine.sampling import SamplingParams
     from specconsole.advisor import advise
     from specconsole.history import History
-    from specconsole.report import write_csvs, write_html
+    from specconsole.export import neutralise
+    from specconsole.report import write_html
     from specconsole.suites import categories, load_file, load_suite
     from specconsole.workbench import SWEEPS, aggregate, concurrency_sweep, run_suite, runs_frame
 
@@ -220,15 +221,17 @@ def suite(args) -> int:
         result = run_suite(backend, items, base, history, meta, args.mode, args.sweep, values)
         runs = runs_frame(history, result.suite_id)
         agg = aggregate(runs)
-        paths = write_csvs(runs, agg, out.parent, result.suite_id)
-        runs.to_csv(out, index=False)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        runs.map(neutralise).to_csv(out, index=False)
+        per_category = out.with_name(out.stem + "_categories.csv")
+        agg.map(neutralise).to_csv(per_category, index=False)
         advice = advise(agg, None if args.sweep == "none" else args.sweep)
         if args.report:
             write_html(agg, advice, Path(args.report), result.suite_id, host.label)
         sys.stdout.write(agg.drop(columns=["per_position"]).to_string(index=False) + "\n\n")
         sys.stdout.write("\n\n".join(a.markdown() for a in advice) + "\n")
-        log.info("suite %s: %d runs saved in %s; CSV %s, %s", result.suite_id, len(result.run_ids), args.db,
-                 out, ", ".join(map(str, paths)))
+        log.info("suite %s: %d runs saved in %s; CSV %s and %s", result.suite_id, len(result.run_ids), args.db,
+                 out, per_category)
         return 0
     finally:
         host.close()

@@ -17,6 +17,8 @@ from engine.metrics import compare
 from engine.vllm_backend import VLLMBackend, VLLMError, VLLMServer, ServerConfig, speculative_config
 from specconsole.history import History
 from specconsole.runner import Comparison
+from specconsole.suites import SuitePrompt
+from specconsole.workbench import concurrency_sweep
 
 VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
 if not VLLM_PYTHON.exists():
@@ -97,6 +99,14 @@ def test_bad_model_path_shows_the_log(tmp_path):
     with pytest.raises(VLLMError, match="exited with code") as err:
         server.start(timeout=180)
     assert "End of its log" in str(err.value)
+
+
+def test_concurrency_sweep(vllm):
+    items = [SuitePrompt("json", JSON_PROMPT), SuitePrompt("chat", "Say hello in French.")]
+    table = concurrency_sweep(vllm, items, [1, 4], max_new_tokens=16)
+    assert list(table["concurrency"]) == [1, 4]
+    assert (table["baseline_tps"] > 0).all() and (table["speculative_tps"] > 0).all()
+    assert table["speedup"].tolist() == pytest.approx((table["speculative_tps"] / table["baseline_tps"]).tolist())
 
 
 def test_speculative_server_dies_mid_run(vllm, tmp_path):
