@@ -26,7 +26,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -254,6 +254,28 @@ class VLLMBackend:
             raise VLLMError("expected the first server without and the second with speculative decoding; "
                             f"they report spec-decode metrics: {specs[0]} and {specs[1]}")
         return cls(baseline_url, speculative_url, roots[1][0], api_key)
+
+    def reconfigure(self, speculative: dict) -> None:
+        """Restart the managed speculative server with another --speculative-config (the page's settings). If the
+        new one fails to start, the old one is started again and the error, with the log's tail, is raised."""
+        if len(self.servers) != 2:
+            raise VLLMError("only servers the console started can be reconfigured; restart yours by hand")
+        old = self.servers[1]
+        old.stop()
+        for config in (speculative, old.config.speculative):
+            server = VLLMServer(replace(old.config, speculative=config), old.log_path.parent)
+            try:
+                server.start()
+            except VLLMError as e:
+                if config is old.config.speculative:
+                    raise
+                error = e
+                continue
+            self.servers[1], self.speculative_config = server, config
+            self.warm_up()
+            if config is speculative:
+                return
+        raise VLLMError(f"the new speculative config failed; the previous one is running again. {error}")
 
     def warm_up(self) -> None:
         """One short request each: a server's first request pays one-off costs that would distort the first run."""

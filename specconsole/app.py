@@ -16,6 +16,7 @@ import pandas as pd
 from engine.backend import MAX_NEW_TOKENS, Request
 from engine.models import ModelError
 from engine.sampling import MAX_K, SamplingParams, SettingsError
+from engine.vllm_backend import METHODS as VLLM_METHODS, VLLMError, speculative_config
 from specconsole import charts
 from specconsole.export import export_csv
 from specconsole.history import History, HistoryError
@@ -113,6 +114,17 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
                 active.pop(session, None)
         if comp.save_error:
             gr.Warning(comp.save_error)
+
+    def reconfigure_vllm(method, k, draft):
+        if not host.ready or not getattr(host.backend, "servers", None):
+            return "Only a managed vLLM backend (`--backend vllm`) can be reconfigured from here."
+        try:
+            config = speculative_config(method, int(k), draft or None)
+            with host.lock:
+                host.backend.reconfigure(config)
+        except VLLMError as e:
+            return f"Could not apply: {escape(str(e))}"
+        return f"Speculative server running with `{escape(json.dumps(config))}`."
 
     def stop(request: gr.Request):
         comp = active.get(request.session_hash if request else "local")
@@ -317,6 +329,12 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
                         stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
                 with gr.Column(scale=2):
                     gr.Markdown(f"Backend: **{escape(host.label)}**")
+                    with gr.Accordion("vLLM speculative server (managed vLLM backend)", open=False):
+                        vllm_method = gr.Dropdown(list(VLLM_METHODS), value="ngram", label="Method")
+                        vllm_k = gr.Slider(1, 16, value=4, step=1, label="num_speculative_tokens (K)")
+                        vllm_draft = gr.Textbox(label="Draft / EAGLE / Medusa model path")
+                        vllm_apply = gr.Button("Apply (restarts the speculative server)")
+                        vllm_status = gr.Markdown()
                     method = gr.Radio(["draft", "ngram"], value=host.method, label="Drafting method (local backend)")
                     with gr.Row():
                         k = gr.Slider(1, MAX_K, value=4, step=1, label="K (draft tokens per step)")
@@ -421,6 +439,8 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
         refresh.click(history_table, filter_cat, table)
         filter_cat.change(history_table, filter_cat, table)
         history_tab.select(history_table, filter_cat, table)
+        vllm_apply.click(reconfigure_vllm, [vllm_method, vllm_k, vllm_draft], vllm_status, concurrency_limit=1,
+                         concurrency_id="engines")
         table.select(select_row, [table, selected], [selected, opened_id])
         open_btn.click(open_run, [opened_id, show_rejected],
                        [old_base, old_spec, old_figures, old_steps, old_pos, old_tokens, info])

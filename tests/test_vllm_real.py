@@ -109,6 +109,16 @@ def test_concurrency_sweep(vllm):
     assert table["speedup"].tolist() == pytest.approx((table["speculative_tps"] / table["baseline_tps"]).tolist())
 
 
+def test_reconfigure_from_the_page_settings(vllm):
+    vllm.reconfigure(speculative_config("ngram", 2))
+    _, s = run(vllm, "speculative", Request(prompt=JSON_PROMPT, max_new_tokens=30))
+    assert s.metrics["highlighting"] == "exact" and max(st.drafted for st in s.steps) == 2
+    with pytest.raises(VLLMError, match="previous one is running again"):
+        vllm.reconfigure(speculative_config("draft_model", 2, "/no/such/draft"))
+    assert vllm.speculative_config["num_speculative_tokens"] == 2
+    run(vllm, "speculative", Request(prompt=JSON_PROMPT, max_new_tokens=8))  # still serving
+
+
 def test_speculative_server_dies_mid_run(vllm, tmp_path):
     history = History(tmp_path / "h.db")
     req = Request(prompt="Write a long story about a lighthouse keeper and the sea.", max_new_tokens=400)
