@@ -133,7 +133,7 @@ def local_host(args):
 
 def vllm_host(args):
     from engine.models import resolve
-    from engine.vllm_backend import VLLMBackend, speculative_config
+    from engine.vllm_backend import VLLMBackend, has_gpu, speculative_config
     from specconsole.host import ModelHost
 
     api_key = os.environ.get(args.vllm_api_key_env) or None
@@ -151,7 +151,8 @@ def vllm_host(args):
         return VLLMBackend.managed(model, spec, python=args.vllm_python, memory_split=split, on_progress=progress,
                                    max_model_len=args.vllm_max_model_len)
 
-    return ModelHost(f"vLLM (managed), speculative config {spec}", factory, "draft")
+    placement = f"GPU memory {split[0]:.2f}/{split[1]:.2f}" if has_gpu() else "one CPU core each"
+    return ModelHost(f"vLLM (managed: {placement}), speculative config {spec}", factory, "draft")
 
 
 def console(args) -> int:
@@ -225,7 +226,8 @@ def suite(args) -> int:
         runs.map(neutralise).to_csv(out, index=False)
         per_category = out.with_name(out.stem + "_categories.csv")
         agg.map(neutralise).to_csv(per_category, index=False)
-        advice = advise(agg, None if args.sweep == "none" else args.sweep)
+        memory = backend.memory() if hasattr(backend, "memory") else None
+        advice = advise(agg, None if args.sweep == "none" else args.sweep, memory=memory)
         if args.report:
             write_html(agg, advice, Path(args.report), result.suite_id, host.label)
         sys.stdout.write(agg.drop(columns=["per_position"]).to_string(index=False) + "\n\n")

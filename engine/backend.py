@@ -88,6 +88,20 @@ class LocalBackend:
         return {"backend": "local", "target_model": self.target.name,
                 "draft_model": self.draft.name if self.draft else None}
 
+    def memory(self) -> dict:
+        """Weights in memory vs what the device has, for the advisor's "is there room for a second model"."""
+        import psutil
+        import torch
+
+        if self.target.device.type == "cuda":
+            available = torch.cuda.get_device_properties(self.target.device).total_memory
+        else:
+            available = psutil.virtual_memory().total
+        gb = 1 << 30
+        draft = self.draft.nbytes if self.draft else 0
+        return {"target_gb": self.target.nbytes / gb, "draft_gb": draft / gb,
+                "needed_gb": (self.target.nbytes + draft) / gb, "available_gb": available / gb}
+
     def prompt_ids(self, req: Request) -> list[int]:
         req.validate()
         if req.method == "draft" and self.draft is None:

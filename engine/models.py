@@ -64,6 +64,11 @@ class LoadedModel:
     model: torch.nn.Module
     tokenizer: object
     device: torch.device
+    nbytes: int = 0  # memory its weights take as loaded (after quantization, for an int8 draft)
+
+    def __post_init__(self):
+        if not self.nbytes:
+            self.nbytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
 
     @property
     def vocab_size(self) -> int:  # the width of the logits, which can exceed the tokenizer's size
@@ -126,10 +131,22 @@ def load(
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     except Exception as e:  # noqa: BLE001 - a broken cache or directory: say where and how to fix it
         raise ModelError(f"could not load {spec!r} from {path}: {e}. If this is a cached model, delete {path}.") from e
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     model = prepare_target(model, device, strict) if role == "target" else prepare_draft(model, device, int8)
+    if role == "draft" and int8:
+        nbytes = _serialized_size(model)
     if on_progress:
         on_progress(f"loading {role} {Path(spec).name}", 1, 1)
-    return LoadedModel(Path(spec).name, model, tokenizer, device)
+    return LoadedModel(Path(spec).name, model, tokenizer, device, nbytes)
+
+
+def _serialized_size(model: torch.nn.Module) -> int:
+    """Bytes of a quantized model's weights: its packed int8 parameters hide from state_dict's tensors."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    return buffer.tell()
 
 
 def check_pair(target: LoadedModel, draft: LoadedModel) -> None:

@@ -210,7 +210,7 @@ class VLLMBackend:
     def managed(cls, model: str, speculative: dict, python: str = sys.executable, gpu: bool | None = None,
                 memory_split: tuple[float, float] = (0.45, 0.45), ports: tuple[int, int] = (8101, 8102),
                 log_dir: Path | None = None, on_progress: Callable | None = None, **server_kwargs) -> "VLLMBackend":
-        gpu = _has_gpu() if gpu is None else gpu
+        gpu = has_gpu() if gpu is None else gpu
         log_dir = log_dir or Path(tempfile.mkdtemp(prefix="specconsole-vllm-"))
         servers = []
         for i, (role, spec) in enumerate((("baseline", None), ("speculative", speculative))):
@@ -423,7 +423,7 @@ def _finish_reason(choice: dict) -> str:
     return "stop" if isinstance(choice.get("stop_reason"), str) else "eos"
 
 
-def _has_gpu() -> bool:
+def has_gpu() -> bool:
     try:
         return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=10).returncode == 0
     except (OSError, subprocess.TimeoutExpired):

@@ -56,10 +56,15 @@ def advise(aggregate: pd.DataFrame, sweep_variable: str | None = None, default_v
             reasons.append(f"acceptance {acceptance:.2f}, mean accepted length {base['mean_accepted_length']:.2f} "
                            "tokens per target pass")
         verdict = None
-        if memory and memory.get("needed_gb", 0) > memory.get("available_gb", float("inf")):
+        if memory and memory["needed_gb"] > memory["available_gb"]:
             verdict = "don't"
             reasons.append(f"the draft needs {memory['draft_gb']:.1f} GB more; target and draft together need "
                            f"{memory['needed_gb']:.1f} GB but {memory['available_gb']:.1f} GB are available")
+        elif memory and memory["draft_gb"]:
+            reasons.append(f"memory: target {memory['needed_gb'] - memory['draft_gb']:.1f} GB + draft "
+                           f"{memory['draft_gb']:.1f} GB fit in {memory['available_gb']:.1f} GB")
+        elif memory:
+            reasons.append("n-gram drafting needs no second model in memory")
         expected = speedup
         if verdict is None and sweep_variable and best["sweep_value"] != base["sweep_value"] \
                 and best["speedup"] >= BETTER_BY * speedup and best["speedup"] >= WORTH_AT:

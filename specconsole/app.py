@@ -198,7 +198,8 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
         runs = runs_frame(history, suite_id)
         agg = aggregate(runs)
         conc = concurrency_results.get(suite_id)
-        advice = advise(agg, variable, memory=None, concurrency=conc) if not agg.empty or conc is not None else []
+        memory = host.backend.memory() if hasattr(host.backend, "memory") else None
+        advice = advise(agg, variable, memory=memory, concurrency=conc) if not agg.empty or conc is not None else []
         table = agg.drop(columns=["per_position"]).round(3) if not agg.empty else conc
         figs = suite_figures(agg if not agg.empty else pd.DataFrame(columns=["category", "sweep_value"]), conc)
         figs += [None] * (4 - len(figs))

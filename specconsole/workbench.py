@@ -23,6 +23,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from engine.backend import Request
+from engine.vllm_backend import speculative_config
 from specconsole.history import History
 from specconsole.runner import Comparison
 from specconsole.suites import SuitePrompt
@@ -33,7 +34,7 @@ SWEEPS = {
     "none": [""],
     "k": ["1", "2", "4", "8", "dynamic"],
     "temperature": ["0", "0.4", "0.8", "1.2"],
-    "method": ["draft", "ngram"],
+    "method": ["draft", "ngram"],  # with the vLLM backend: its methods, e.g. ngram,draft_model,eagle
     "context": ["short", "long"],
     "concurrency": ["1", "2", "4", "8", "16"],
 }
@@ -49,7 +50,7 @@ def request_for(base: Request, item: SuitePrompt, variable: str = "none", value:
         return replace(req, dynamic_k=True, k=4) if value == "dynamic" else replace(req, dynamic_k=False, k=int(value))
     if variable == "temperature":
         return replace(req, sampling=replace(req.sampling, temperature=float(value)))
-    if variable == "method":
+    if variable == "method" and value in ("draft", "ngram"):  # vLLM's methods live in its speculative server
         return replace(req, method=value)
     if variable == "context" and value == "long":
         document = LONG_DOCUMENT.read_text()
@@ -75,10 +76,15 @@ def run_suite(backend, items: list[SuitePrompt], base: Request, history: History
     suite = SuiteRun(suite_id or uuid.uuid4().hex[:10])
     plan = [(item, value) for value in values for item in items]
     bar = tqdm(total=len(plan), desc=f"suite {suite.suite_id}", unit="run")
+    served = None
     for i, (item, value) in enumerate(plan):
         if cancel is not None and cancel.is_set():
             suite.cancelled = True
             break
+        if variable == "method" and getattr(backend, "name", "") == "vllm" and value != served:
+            # vLLM's method is the speculative server's: restart it with this value's --speculative-config
+            backend.reconfigure(speculative_config(value, base.k, backend.speculative_config.get("model")))
+            served = value
         req = request_for(base, item, variable, value, suite_temperature and variable != "temperature")
         run_meta = meta | {"category": item.category, "suite_id": suite.suite_id,
                            "sweep_variable": None if variable == "none" else variable, "sweep_value": value or None}

@@ -130,6 +130,13 @@ def test_advisor_recommends_the_better_sweep_value():
     assert any("2.00x against 1.50x" in r for r in a.reasons)
 
 
+def test_memory_figures_of_a_backend(backend):
+    memory = backend.memory()
+    assert memory["target_gb"] > 0 and memory["draft_gb"] > 0 and memory["available_gb"] > memory["needed_gb"]
+    [a] = advise(agg_rows({"category": "code", "speedup": 2.0, "acceptance": 0.8}), memory=memory)
+    assert a.verdict == "enable" and any("fit in" in r for r in a.reasons)
+
+
 def test_advisor_memory_and_prefill_and_concurrency():
     rows = agg_rows({"category": "rag", "speedup": 1.6, "acceptance": 0.7, "prefill_share": 0.7})
     [a] = advise(rows, memory={"needed_gb": 30.0, "available_gb": 24.0, "draft_gb": 2.0})
