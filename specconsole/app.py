@@ -18,13 +18,13 @@ from engine.models import ModelError
 from engine.sampling import MAX_K, SamplingParams, SettingsError
 from engine.vllm_backend import METHODS as VLLM_METHODS, VLLMError, speculative_config
 from specconsole import charts
+from specconsole.advisor import advise
 from specconsole.export import export_csv
 from specconsole.history import History, HistoryError
 from specconsole.host import ModelHost
 from specconsole.render import figures_html, legend_html, tokens_html
-from specconsole.runner import MODES, Comparison
-from specconsole.advisor import advise
 from specconsole.report import ab_chart, figures as suite_figures, write_csvs, write_html
+from specconsole.runner import MODES, Comparison
 from specconsole.suites import categories, load_file, load_suite
 from specconsole.workbench import SWEEPS, aggregate, concurrency_sweep, run_suite, runs_frame
 
@@ -43,20 +43,32 @@ def _rolling_acceptance(result, window: int = 8) -> float | None:
     return sum(s.accepted for s in steps) / drafted if drafted else None
 
 
-def view(results: dict, comparison: dict, mode: str, show_rejected: bool, status: dict | None = None):
+def view(results: dict, comparison: dict, mode: str, show_rejected: bool):
     """HTML of both panels and the figures, from two RunResults (live or rebuilt from the history)."""
     b, s = results.get("baseline"), results.get("speculative")
-    status = status or {}
     panels = []
     for r, engine in ((b, "baseline"), (s, "speculative")):
         if r is None:
             panels.append(tokens_html([], status="no data"))
             continue
-        note = status.get(engine) or (f"{r.finish_reason} · {len(r.output_ids or r.output_tokens)} tokens"
-                                      if r.finish_reason else "running…")
+        note = f"{r.finish_reason} · {len(r.output_tokens)} tokens" if r.finish_reason else "running…"
         panels.append(tokens_html(r.tokens, show_rejected and engine == "speculative", r.error, note))
     figures = figures_html(b, s, comparison, mode, _rolling_acceptance(s) if s else None)
     return panels[0], panels[1], figures
+
+
+def request_from(prompt, max_new, temperature, top_p, seed, method, k, dynamic_k, confidence, fallback) -> Request:
+    """The Request that the Run tab's (and the Workbench's) settings describe."""
+    return Request(
+        prompt=prompt or "", max_new_tokens=int(max_new),
+        sampling=SamplingParams(float(temperature), 0, float(top_p), None if seed in (None, "") else int(seed)),
+        method=method, k=int(k), dynamic_k=bool(dynamic_k), k_max=max(16, int(k)),
+        draft_confidence=float(confidence) if method == "draft" else 0.0, fallback=bool(fallback),
+    )
+
+
+def _ids(selected: str | None) -> list[str]:
+    return [i.strip() for i in (selected or "").split(",") if i.strip()]
 
 
 def figures_for(results: dict):
@@ -75,12 +87,7 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
             yield tokens_html([], error=msg), tokens_html([], error=msg), "", gr.skip(), gr.skip(), gr.skip()
             return
         try:
-            req = Request(
-                prompt=prompt or "", max_new_tokens=int(max_new),
-                sampling=SamplingParams(float(temperature), 0, float(top_p), None if seed in (None, "") else int(seed)),
-                method=method, k=int(k), dynamic_k=bool(dynamic_k), k_max=max(16, int(k)),
-                draft_confidence=float(confidence) if method == "draft" else 0.0, fallback=bool(fallback),
-            )
+            req = request_from(prompt, max_new, temperature, top_p, seed, method, k, dynamic_k, confidence, fallback)
             host.backend.prompt_ids(req)  # validate before anything runs or is saved
         except (SettingsError, ModelError, ValueError) as e:
             yield tokens_html([], error=str(e)), tokens_html([], error=str(e)), "", gr.skip(), gr.skip(), gr.skip()
@@ -102,7 +109,7 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
                         chart = done or now - last_chart >= CHART_EVERY_S
                         with comp.ui_lock:  # in fair mode: never while an engine's pass is being timed
                             results = comp.results
-                            html = view(results, comp.comparison(), mode, show_rejected)
+                            html = view(results, comp.comparison(results), mode, show_rejected)
                             figs = figures_for(results) if chart else (gr.skip(), gr.skip(), gr.skip())
                         if chart:
                             last_chart = now
@@ -157,7 +164,7 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
 
     def select_row(table, selected, evt: gr.SelectData):
         run_id = str(table.iloc[evt.index[0]]["id"])
-        ids = [i for i in (selected or "").split(",") if i.strip()]
+        ids = _ids(selected)
         ids = [i for i in ids if i != run_id] if run_id in ids else ids + [run_id]
         return ",".join(ids), run_id
 
@@ -176,13 +183,13 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
         return (*html, *figures_for(results), info)
 
     def delete_runs(selected, category):
-        ids = [i.strip() for i in (selected or "").split(",") if i.strip()]
+        ids = _ids(selected)
         if ids:
             history.delete(ids)
         return "", history_table(category)
 
     def export(selected, everything: bool):
-        ids = None if everything else [i.strip() for i in (selected or "").split(",") if i.strip()]
+        ids = None if everything else _ids(selected)
         if not everything and not ids:
             gr.Warning("Select runs in the table first (click a row), or export the whole history.")
             return None
@@ -194,16 +201,22 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
     active_suites: dict[str, threading.Event] = {}
     concurrency_results: dict[str, pd.DataFrame] = {}
 
+    def advice_for(agg, variable, conc=None):
+        memory = host.backend.memory() if hasattr(host.backend, "memory") else None
+        return advise(agg, variable, memory=memory, concurrency=conc) if not agg.empty else []
+
     def suite_view(suite_id: str, variable: str | None):
         runs = runs_frame(history, suite_id)
         agg = aggregate(runs)
+        # the advisor also weighs the latest concurrency sweep of this console (vLLM), if one was run
         conc = concurrency_results.get(suite_id)
-        memory = host.backend.memory() if hasattr(host.backend, "memory") else None
-        advice = advise(agg, variable, memory=memory, concurrency=conc) if not agg.empty or conc is not None else []
+        latest = list(concurrency_results.values())[-1] if concurrency_results else None
+        advice = advice_for(agg, variable, latest)
         table = agg.drop(columns=["per_position"]).round(3) if not agg.empty else conc
         figs = suite_figures(agg if not agg.empty else pd.DataFrame(columns=["category", "sweep_value"]), conc)
         figs += [None] * (4 - len(figs))
-        text = "\n\n".join(a.markdown() for a in advice) or "No completed runs to advise on."
+        text = "\n\n".join(a.markdown() for a in advice) or (
+            "Concurrency sweep: see the table and chart." if conc is not None else "No completed runs to advise on.")
         return table, *figs[:4], text
 
     def run_suite_ui(cats_chosen, upload, n, max_tokens, variable, values, method, k, dynamic_k, confidence,
@@ -220,10 +233,8 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
             if not items:
                 raise ValueError("choose at least one suite or upload a JSONL / CSV file")
             vals = [v.strip() for v in (values or "").split(",") if v.strip()] or SWEEPS[variable]
-            base = Request(prompt="-", max_new_tokens=int(max_tokens), method=method, k=int(k),
-                           dynamic_k=bool(dynamic_k), k_max=max(16, int(k)), fallback=bool(fallback),
-                           draft_confidence=float(confidence) if method == "draft" else 0.0,
-                           sampling=SamplingParams(0.0, 0, float(top_p), None if seed in (None, "") else int(seed)))
+            # the prompt and temperature come from each suite entry
+            base = request_from("-", max_tokens, 0.0, top_p, seed, method, k, dynamic_k, confidence, fallback)
             base.validate()
         except (ValueError, SettingsError) as e:
             yield f'<div class="panel-error">{escape(str(e))}</div>', *nothing
@@ -288,14 +299,13 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
         if conc is not None:
             path = out / f"suite_{suite_id}_concurrency.csv"
             conc.to_csv(path, index=False)
-            return [str(path), str(write_html(pd.DataFrame(columns=["category", "sweep_value"]),
-                                              advise(pd.DataFrame(columns=["category"]), concurrency=conc),
+            return [str(path), str(write_html(pd.DataFrame(columns=["category", "sweep_value"]), [],
                                               out / f"suite_{suite_id}.html", suite_id, host.label, conc))]
         runs = runs_frame(history, suite_id)
         agg = aggregate(runs)
         variable = next((v for v in runs.get("sweep_variable", []) if v), None) if not runs.empty else None
         paths = write_csvs(runs.drop(columns=["per_position"]), agg, out, suite_id)
-        paths.append(write_html(agg, advise(agg, variable), out / f"suite_{suite_id}.html", suite_id, host.label))
+        paths.append(write_html(agg, advice_for(agg, variable), out / f"suite_{suite_id}.html", suite_id, host.label))
         return [str(p) for p in paths]
 
     def suite_choices():

@@ -163,8 +163,8 @@ class Comparison:
     def results(self) -> dict[str, RunResult]:
         return {e: self.live[e].snapshot() for e in ENGINES}
 
-    def comparison(self) -> dict:
-        r = self.results
+    def comparison(self, results: dict[str, RunResult] | None = None) -> dict:
+        r = results or self.results
         return compare(r["baseline"], r["speculative"], self.request.sampling.greedy)
 
     @property
@@ -186,7 +186,8 @@ class Comparison:
         if self.history is None or self.run_id is None:
             return
         try:
-            self.history.finish_run(self.run_id, self.status, self.results, self.comparison(), self.error)
+            results = self.results
+            self.history.finish_run(self.run_id, self.status, results, self.comparison(results), self.error)
         except Exception:  # noqa: BLE001 - never lose the on-screen result because the disk failed
             log.exception("could not save run %s", self.run_id)
             self.save_error = f"the run could not be saved to {self.history.path}"
