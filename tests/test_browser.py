@@ -2,6 +2,7 @@
 small SmolLM2 preset, a real SQLite file."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -116,7 +117,7 @@ def test_page_is_up_before_models_finish(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", SPECCONSOLE_CACHE=str(tmp_path / "empty-cache"))
     proc = subprocess.Popen(
         [sys.executable, "launch.py", "--preset", "smollm2-ngram", "--port", str(port), "--db", str(tmp_path / "h.db")],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     try:
         import httpx
@@ -133,7 +134,7 @@ def test_page_is_up_before_models_finish(tmp_path):
         # the models cannot be ready yet: the weights still have to be fetched and dequantized
         assert not (tmp_path / "empty-cache" / "models" / "smollm2-135m-instruct" / "config.json").exists()
     finally:
-        proc.terminate()
+        os.killpg(proc.pid, signal.SIGTERM)  # the app and the weight download it started
         proc.wait(30)
 
 
