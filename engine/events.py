@@ -31,7 +31,6 @@ class TokenKind(str, Enum):
     PENDING = "pending"
 
 
-
 @dataclass
 class TokenEvent:
     kind: TokenKind

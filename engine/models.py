@@ -68,7 +68,7 @@ class LoadedModel:
 
     def __post_init__(self):
         if not self.nbytes:
-            self.nbytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+            self.nbytes = _weight_bytes(self.model)
 
     @property
     def vocab_size(self) -> int:  # the width of the logits, which can exceed the tokenizer's size
@@ -131,13 +131,17 @@ def load(
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     except Exception as e:  # noqa: BLE001 - a broken cache or directory: say where and how to fix it
         raise ModelError(f"could not load {spec!r} from {path}: {e}. If this is a cached model, delete {path}.") from e
-    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    nbytes = _weight_bytes(model)  # before packing: prepacked weights hide from state_dict
     model = prepare_target(model, device, strict) if role == "target" else prepare_draft(model, device, int8)
     if role == "draft" and int8:
         nbytes = _serialized_size(model)
     if on_progress:
         on_progress(f"loading {role} {Path(spec).name}", 1, 1)
     return LoadedModel(Path(spec).name, model, tokenizer, device, nbytes)
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
 def _serialized_size(model: torch.nn.Module) -> int:

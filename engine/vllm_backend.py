@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from itertools import groupby
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -35,6 +36,7 @@ import httpx
 from engine.events import Event, RunResult, StepRecord, TokenEvent, TokenKind
 from engine.metrics import run_metrics
 from engine.models import chat_messages
+from engine.sampling import MAX_K
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +52,8 @@ def speculative_config(method: str, k: int, draft: str | None = None, ngram_min:
     """The --speculative-config for a method and K."""
     if method not in METHODS:
         raise VLLMError(f"unknown speculative method {method!r}; vLLM serves {', '.join(METHODS)}")
-    if not 1 <= k <= 32:
-        raise VLLMError(f"K must be between 1 and 32, got {k}")
+    if not 1 <= k <= MAX_K:
+        raise VLLMError(f"K must be between 1 and {MAX_K}, got {k}")
     config = {"method": method, "num_speculative_tokens": k}
     if method == "ngram":
         config |= {"prompt_lookup_min": ngram_min, "prompt_lookup_max": ngram_max}
@@ -199,7 +201,7 @@ class VLLMBackend:
                  speculative: dict | None = None):
         self.urls = {"baseline": baseline_url.rstrip("/"), "speculative": speculative_url.rstrip("/")}
         self.model, self.servers, self.stall_timeout = model, servers or [], stall_timeout
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.headers = _auth(api_key)
         self.speculative_config = speculative or {}
         # managed servers each own their cores (or GPU share): they can run at once without stealing compute
         self.fair_strategy = "parallel" if servers else "sequential"
@@ -238,7 +240,7 @@ class VLLMBackend:
     @classmethod
     def attach(cls, baseline_url: str, speculative_url: str, api_key: str | None = None) -> "VLLMBackend":
         """Check that both servers serve the same target and that the second one speculates."""
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        headers = _auth(api_key)
         roots, specs = [], []
         for url in (baseline_url, speculative_url):
             try:
@@ -350,7 +352,7 @@ class VLLMBackend:
                     if chunk.get("usage"):
                         usage = chunk
                     for choice in chunk.get("choices", []):
-                        content.append((choice.get("delta") or {}).get("content") or choice.get("text") or "")
+                        content.append(_chunk_text(choice))
                         for event in self._tokens(choice, result, kind, clock() - t0):
                             yield event
                         if choice.get("finish_reason"):
@@ -372,7 +374,7 @@ class VLLMBackend:
         logprobs = choice.get("logprobs") or {}
         pieces = logprobs.get("content") or [{"token": t, "logprob": lp} for t, lp in
                                              zip(logprobs.get("tokens") or [], logprobs.get("token_logprobs") or [])]
-        text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+        text = _chunk_text(choice)
         for i, token_id in enumerate(ids):
             piece = pieces[i] if i < len(pieces) else {}
             # each token's own text when the server gives it; else the chunk's text goes with its last token
@@ -409,11 +411,19 @@ class VLLMBackend:
         result.metrics["highlighting"] = "exact"
         for token, (kind, step, position) in zip(result.tokens, kinds):
             token.kind, token.step, token.position = kind, step, position
-        for step in range(len(accepted) + 1):
-            mine = [t for t in result.tokens if t.step == step]
-            if mine:
-                d, a = (0, 0) if step == 0 else (drafted[step - 1], accepted[step - 1])
-                result.steps.append(StepRecord(step, d, min(a, len(mine)), len(mine), 0.0, 0.0, mine[-1].time_s))
+        for step, group in groupby(result.tokens, key=lambda t: t.step):  # tokens come in step order
+            mine = list(group)
+            d, a = (0, 0) if step == 0 else (drafted[step - 1], accepted[step - 1])
+            result.steps.append(StepRecord(step, d, min(a, len(mine)), len(mine), 0.0, 0.0, mine[-1].time_s))
+
+
+def _auth(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _chunk_text(choice: dict) -> str:
+    """The text a stream chunk adds (chat completions put it in the delta, completions in text)."""
+    return (choice.get("delta") or {}).get("content") or choice.get("text") or ""
 
 
 def _finish_reason(choice: dict) -> str:

@@ -18,7 +18,6 @@ from engine.models import ModelError
 from engine.sampling import MAX_K, SamplingParams, SettingsError
 from engine.vllm_backend import METHODS as VLLM_METHODS, VLLMError, speculative_config
 from specconsole import charts
-from specconsole.advisor import advise
 from specconsole.export import export_csv
 from specconsole.history import History, HistoryError
 from specconsole.host import ModelHost
@@ -26,7 +25,7 @@ from specconsole.render import figures_html, legend_html, tokens_html
 from specconsole.report import ab_chart, figures as suite_figures, write_csvs, write_html
 from specconsole.runner import MODES, Comparison
 from specconsole.suites import categories, load_file, load_suite
-from specconsole.workbench import SWEEPS, aggregate, concurrency_sweep, run_suite, runs_frame
+from specconsole.workbench import SWEEPS, advice_for, aggregate, concurrency_sweep, run_suite, runs_frame
 
 log = logging.getLogger(__name__)
 
@@ -201,17 +200,13 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
     active_suites: dict[str, threading.Event] = {}
     concurrency_results: dict[str, pd.DataFrame] = {}
 
-    def advice_for(agg, variable, conc=None):
-        memory = host.backend.memory() if hasattr(host.backend, "memory") else None
-        return advise(agg, variable, memory=memory, concurrency=conc) if not agg.empty else []
-
     def suite_view(suite_id: str, variable: str | None):
         runs = runs_frame(history, suite_id)
         agg = aggregate(runs)
         # the advisor also weighs the latest concurrency sweep of this console (vLLM), if one was run
         conc = concurrency_results.get(suite_id)
         latest = list(concurrency_results.values())[-1] if concurrency_results else None
-        advice = advice_for(agg, variable, latest)
+        advice = advice_for(host.backend, agg, variable, latest)
         table = agg.drop(columns=["per_position"]).round(3) if not agg.empty else conc
         figs = suite_figures(agg if not agg.empty else pd.DataFrame(columns=["category", "sweep_value"]), conc)
         figs += [None] * (4 - len(figs))
@@ -304,8 +299,9 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
         runs = runs_frame(history, suite_id)
         agg = aggregate(runs)
         variable = next((v for v in runs.get("sweep_variable", []) if v), None) if not runs.empty else None
-        paths = write_csvs(runs.drop(columns=["per_position"]), agg, out, suite_id)
-        paths.append(write_html(agg, advice_for(agg, variable), out / f"suite_{suite_id}.html", suite_id, host.label))
+        paths = write_csvs(runs, agg, out / f"suite_{suite_id}.csv")
+        paths.append(write_html(agg, advice_for(host.backend, agg, variable), out / f"suite_{suite_id}.html", suite_id,
+                                host.label))
         return [str(p) for p in paths]
 
     def suite_choices():

@@ -34,6 +34,15 @@ RUN_COLUMNS = {
 }
 
 
+EVENT_TABLES = {  # the engines' events, one row each, keyed by run and engine
+    "tokens": {"run_id": str, "engine": str, "seq": int, "kind": str, "token_id": int, "text": str, "step": int,
+               "position": int, "time_s": float, "idx": int, "p": float, "q": float},
+    "steps": {"run_id": str, "engine": str, "step": int, "drafted": int, "accepted": int, "emitted": int,
+              "draft_ms": float, "verify_ms": float, "time_s": float},
+    "policy": {"run_id": str, "engine": str, "step": int, "action": str, "k": int, "reason": str, "time_s": float},
+}
+
+
 def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
@@ -60,34 +69,16 @@ class History:
             ) from e
 
     def _create(self) -> None:
-        if "runs" not in self.db.table_names():
-            self.db["runs"].create(RUN_COLUMNS, pk="id")
-            self.db["runs"].create_index(["category"])
-            self.db["runs"].create_index(["created_at"])
-            self.db["runs"].create_index(["suite_id"])
+        runs = self.db["runs"]
+        runs.create(RUN_COLUMNS, pk="id", if_not_exists=True)
         for name, kind in RUN_COLUMNS.items():  # a database from an older version gains the new columns
-            if name not in self.db["runs"].columns_dict:
-                self.db["runs"].add_column(name, kind)
-        if "tokens" not in self.db.table_names():
-            self.db["tokens"].create(
-                {"run_id": str, "engine": str, "seq": int, "kind": str, "token_id": int, "text": str, "step": int,
-                 "position": int, "time_s": float, "idx": int, "p": float, "q": float},
-                foreign_keys=[("run_id", "runs", "id")],
-            )
-            self.db["tokens"].create_index(["run_id"])
-        if "steps" not in self.db.table_names():
-            self.db["steps"].create(
-                {"run_id": str, "engine": str, "step": int, "drafted": int, "accepted": int, "emitted": int,
-                 "draft_ms": float, "verify_ms": float, "time_s": float},
-                foreign_keys=[("run_id", "runs", "id")],
-            )
-            self.db["steps"].create_index(["run_id"])
-        if "policy" not in self.db.table_names():
-            self.db["policy"].create(
-                {"run_id": str, "engine": str, "step": int, "action": str, "k": int, "reason": str, "time_s": float},
-                foreign_keys=[("run_id", "runs", "id")],
-            )
-            self.db["policy"].create_index(["run_id"])
+            if name not in runs.columns_dict:
+                runs.add_column(name, kind)
+        for column in ("category", "created_at", "suite_id"):
+            runs.create_index([column], if_not_exists=True)
+        for table, columns in EVENT_TABLES.items():
+            self.db[table].create(columns, foreign_keys=[("run_id", "runs", "id")], if_not_exists=True)
+            self.db[table].create_index(["run_id"], if_not_exists=True)
 
     # --- writing ---------------------------------------------------------------------------------------------------
 
@@ -133,7 +124,7 @@ class History:
     def delete(self, run_ids: list[str]) -> None:
         def write():
             with self.db.conn:
-                for table in ("tokens", "steps", "policy"):
+                for table in EVENT_TABLES:
                     self.db[table].delete_where("run_id IN (SELECT value FROM json_each(?))", [json.dumps(run_ids)])
                 self.db["runs"].delete_where("id IN (SELECT value FROM json_each(?))", [json.dumps(run_ids)])
 
@@ -196,8 +187,9 @@ class History:
 
 
 def _token_row(t: TokenEvent) -> dict:
-    return {"kind": t.kind.value, "token_id": t.token_id, "text": t.text, "step": t.step, "position": t.position,
-            "time_s": t.time_s, "idx": t.index, "p": t.p, "q": t.q}
+    row = t.to_dict()
+    row["idx"] = row.pop("index")  # the output position; "index" reads badly in SQL
+    return row
 
 
 def _token(row: dict) -> TokenEvent:

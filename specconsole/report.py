@@ -82,12 +82,13 @@ def figures(agg: pd.DataFrame, conc: pd.DataFrame | None = None) -> list[go.Figu
     return figs
 
 
-def write_csvs(runs: pd.DataFrame, agg: pd.DataFrame, out_dir: Path, suite_id: str) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / f"suite_{suite_id}_runs.csv", out_dir / f"suite_{suite_id}_categories.csv"]
-    runs.map(neutralise).to_csv(paths[0], index=False)
-    agg.map(neutralise).to_csv(paths[1], index=False)
-    return paths
+def write_csvs(runs: pd.DataFrame, agg: pd.DataFrame, runs_path: Path) -> list[Path]:
+    """One row per run at runs_path, one per category beside it (<stem>_categories.csv)."""
+    runs_path.parent.mkdir(parents=True, exist_ok=True)
+    categories_path = runs_path.with_name(runs_path.stem + "_categories.csv")
+    runs.map(neutralise).to_csv(runs_path, index=False)
+    agg.map(neutralise).to_csv(categories_path, index=False)
+    return [runs_path, categories_path]
 
 
 def write_html(agg: pd.DataFrame, advice: list[Advice], out: Path, suite_id: str, title_note: str = "",

@@ -112,21 +112,20 @@ class Comparison:
         streams = {e: self._stream(e, clocks[e]) for e in ENGINES}
         while streams:
             for engine in list(streams):
-                self.ui_lock.acquire()
-                clocks[engine].resume()
-                try:
-                    for event in streams[engine]:  # up to the end of this engine's next target pass
-                        self.events.put((engine, event))
-                        if isinstance(event, (until, RunResult)):
-                            break
-                    else:
+                with self.ui_lock:
+                    clocks[engine].resume()
+                    try:
+                        for event in streams[engine]:  # up to the end of this engine's next target pass
+                            self.events.put((engine, event))
+                            if isinstance(event, (until, RunResult)):
+                                break
+                        else:
+                            del streams[engine]
+                    except Exception as e:  # noqa: BLE001 - an engine that dies is reported, the other goes on
+                        self._crashed(engine, e)
                         del streams[engine]
-                except Exception as e:  # noqa: BLE001 - an engine that dies is reported, the other goes on
-                    self._crashed(engine, e)
-                    del streams[engine]
-                finally:
-                    clocks[engine].pause()
-                    self.ui_lock.release()
+                    finally:
+                        clocks[engine].pause()
 
     def _race(self, engine: str) -> None:
         try:

@@ -23,6 +23,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from engine.backend import Request
+from specconsole.advisor import Advice, advise
 from engine.vllm_backend import speculative_config
 from specconsole.history import History
 from specconsole.runner import Comparison
@@ -158,6 +159,14 @@ def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
             "identical": f"{sum(v is True for v in g['identical'])}/{sum(v is not None for v in g['identical'])}",
         })
     return pd.DataFrame(rows)
+
+
+def advice_for(backend, agg: pd.DataFrame, variable: str | None, concurrency: pd.DataFrame | None = None) -> list[Advice]:
+    """The advisor's verdicts, with the backend's memory figures where it has them (the local backend)."""
+    if agg.empty:
+        return []
+    memory = backend.memory() if hasattr(backend, "memory") else None
+    return advise(agg, variable, memory=memory, concurrency=concurrency)
 
 
 # --- concurrency (vLLM) ------------------------------------------------------------------------------------------

@@ -68,12 +68,26 @@ def page():
         browser.close()
 
 
+def open_console(page, url):
+    page.goto(url)
+    page.wait_for_selector("#model-status:has-text('Ready')", timeout=120_000)
+
+
+def download_csv(page, link_selector: str, path) -> pd.DataFrame:
+    """Click a file link in the page, save what the browser downloads, and parse it."""
+    link = page.locator(link_selector)
+    link.wait_for(timeout=30_000)
+    with page.expect_download() as download:
+        link.click()
+    download.value.save_as(path)
+    return pd.read_csv(path)
+
+
 def test_run_history_and_csv(console, page, tmp_path):
     from playwright.sync_api import expect
 
     url, db = console
-    page.goto(url)
-    page.wait_for_selector("#model-status:has-text('Ready')", timeout=120_000)
+    open_console(page, url)
 
     prompt = 'Repeat this JSON exactly, then add a field "age": {"name": "Ada", "city": "London", "langs": ["en", "fr"]}'
     page.fill("#prompt textarea", prompt)
@@ -99,13 +113,7 @@ def test_run_history_and_csv(console, page, tmp_path):
     page.get_by_role("tab", name="History").click()
     expect(page.locator("#history-table")).to_contain_text("completed", timeout=30_000)
     page.click("#export-all")
-    link = page.locator("#export-files a[download='specconsole_runs.csv']")
-    link.wait_for(timeout=30_000)
-    with page.expect_download() as download:
-        link.click()
-    path = tmp_path / "runs.csv"
-    download.value.save_as(path)
-    runs = pd.read_csv(path)
+    runs = download_csv(page, "#export-files a[download='specconsole_runs.csv']", tmp_path / "runs.csv")
     assert len(runs) == 1 and runs.loc[0, "status"] == "completed" and runs.loc[0, "prompt"].startswith("Repeat")
     assert runs.loc[0, "identical"] == 1
     page.screenshot(path=str(ARTIFACTS / "history.png"), full_page=True)
@@ -142,8 +150,7 @@ def test_workbench_suite_advice_and_csv(console, page, tmp_path):
     from playwright.sync_api import expect
 
     url, _ = console
-    page.goto(url)
-    page.wait_for_selector("#model-status:has-text('Ready')", timeout=120_000)
+    open_console(page, url)
     page.get_by_role("tab", name="Workbench").click()
     page.click("#run-suite")  # default: the code suite, 2 prompts, no sweep
     expect(page.locator("#suite-status")).to_contain_text("finished", timeout=300_000)
@@ -152,13 +159,7 @@ def test_workbench_suite_advice_and_csv(console, page, tmp_path):
     advice = page.inner_text("#advice")
     assert "code:" in advice and "measured median speedup" in advice and "x over 2 runs" in advice
     page.click("#export-suite")
-    link = page.locator("#suite-files a[download$='_categories.csv']")
-    link.wait_for(timeout=30_000)
-    with page.expect_download() as download:
-        link.click()
-    path = tmp_path / "categories.csv"
-    download.value.save_as(path)
-    categories = pd.read_csv(path)
+    categories = download_csv(page, "#suite-files a[download$='_categories.csv']", tmp_path / "categories.csv")
     assert list(categories["category"]) == ["code"] and categories.loc[0, "runs"] == 2
     assert page.locator("#suite-files a[download$='.html']").count() == 1
     page.screenshot(path=str(ARTIFACTS / "workbench.png"), full_page=True)

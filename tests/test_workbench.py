@@ -71,7 +71,7 @@ def test_suite_saves_every_run_and_aggregates_match(backend, tmp_path):
     assert code_k3["runs"] == 2 and code_k3["speedup"] == pytest.approx(median(stored))
     assert code_k3["speedup_min"] == pytest.approx(min(stored)) and code_k3["identical"] == "2/2"
 
-    paths = write_csvs(runs, agg, tmp_path / "out", suite.suite_id)
+    paths = write_csvs(runs, agg, tmp_path / "out" / f"suite_{suite.suite_id}.csv")
     assert len(pd.read_csv(paths[0])) == 6 and len(pd.read_csv(paths[1])) == 4
     html = write_html(agg, advise(agg, "k"), tmp_path / "r.html", suite.suite_id).read_text()
     # plotly.js is embedded, not fetched: the report works offline
