@@ -105,6 +105,7 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--fixed-k", action="store_true", help="constant K instead of dynamic K")
     p.add_argument("--confidence", type=float, default=0.4, help="draft stops below this probability (0 = off)")
+    p.add_argument("--no-per-token", action="store_true", help="dynamic K from the i.i.d. model, no per-token stop")
     p.add_argument("--strict", action="store_true")
     args = p.parse_args(argv)
 
@@ -124,7 +125,8 @@ def main(argv=None) -> int:
         per_prompt = []
         for item in load_suite(category)[: args.prompts]:
             req = Request(prompt=item.prompt, max_new_tokens=args.max_new_tokens, method=method, k=args.k,
-                          dynamic_k=not args.fixed_k, draft_confidence=args.confidence)
+                          dynamic_k=not args.fixed_k, draft_confidence=args.confidence,
+                          per_token=not args.no_per_token)
             reps = []
             for r in range(args.repeats):
                 reps.append(bench_prompt(backend, req, counter))
@@ -139,7 +141,7 @@ def main(argv=None) -> int:
         }
 
     out = sys.stdout
-    kind = "fixed K=%d" % args.k if args.fixed_k else "dynamic K"
+    kind = "fixed K=%d" % args.k if args.fixed_k else "dynamic K" + ("" if args.no_per_token else ", per-token stop")
     out.write(f"\npreset {args.preset}, {kind}, greedy, {args.max_new_tokens} new tokens, "
               f"medians over {args.repeats} repeats x {args.prompts} prompts\n")
     header = ["category"] + [h for _, h, _ in COLUMNS] + ["identical", "HF ident."]

@@ -35,6 +35,7 @@ class Request:
     k_max: int = 16
     fallback: bool = False
     draft_confidence: float = 0.0  # stop drafting after a token the draft itself gives less than this (0 = off)
+    per_token: bool = True  # with dynamic K, a draft model stops by policy.DraftStop (False: K from the i.i.d. model)
     ngram_min: int = 1
     ngram_max: int = 4
     stop_strings: tuple[str, ...] = ()
@@ -57,7 +58,8 @@ class Request:
 
     def policy(self) -> SpecPolicy:
         k_max = max(self.k_max, self.k) if self.dynamic_k else self.k
-        return SpecPolicy(k=self.k, dynamic=self.dynamic_k, k_max=k_max, fallback=self.fallback)
+        return SpecPolicy(k=self.k, dynamic=self.dynamic_k, k_max=k_max, fallback=self.fallback,
+                          per_token=self.per_token and self.method == "draft")
 
 
 class LocalBackend:

@@ -1,6 +1,7 @@
 """Drafters (proposers): one interface, two small implementations.
 
-    propose(ids, k)  -> Proposal: up to k draft tokens continuing `ids`, with their draft distributions q
+    propose(ids, k, stop) -> Proposal: up to k draft tokens continuing `ids`, with their draft distributions q;
+                             `stop` (a policy.DraftStop, or None) may end a draft model's run earlier
     update(ids)      -> tell the drafter what was committed, so it can roll back its state
 
 A draft model keeps its own KV cache and never re-runs a token it has already seen: after a rejection its cache is
@@ -26,8 +27,8 @@ class Proposal:
 class DraftModelProposer:
     """A smaller model from the same tokenizer family proposes up to k tokens autoregressively. It stops early when
     it is unsure: a draft token whose draft probability is below `confidence` is likely to be rejected, and every
-    token drafted after it would be wasted. (Any rule that depends only on the draft's own state keeps the
-    rejection sampler exact.)"""
+    token drafted after it would be wasted; or when the policy's DraftStop says one more token would not pay.
+    (Any rule that depends only on the draft's own state keeps the rejection sampler exact.)"""
 
     method = "draft"
 
@@ -43,7 +44,7 @@ class DraftModelProposer:
         self.cache = new_cache(model)
         self.cached: list[int] = []  # the tokens whose keys/values are in self.cache
 
-    def propose(self, ids: list[int], k: int) -> Proposal:
+    def propose(self, ids: list[int], k: int, stop=None) -> Proposal:
         self.update(ids)
         feed = ids[len(self.cached) :]  # usually 1 or 2 tokens: the last committed ones
         drafts: list[int] = []
@@ -53,14 +54,14 @@ class DraftModelProposer:
             self.cached += feed
             if self.params.greedy:
                 token = int(logits.argmax())
-                sure = not self.confidence or float(torch.softmax(logits, -1)[token]) >= self.confidence
+                confidence = float(torch.softmax(logits, -1)[token]) if self.confidence or stop else 1.0
             else:
                 q = warp(logits, self.params)
                 token = sample(q, self.generator)
                 probs.append(q)
-                sure = float(q[token]) >= self.confidence
+                confidence = float(q[token])
             drafts.append(token)
-            if not sure:
+            if confidence < self.confidence or (stop is not None and not stop.more(confidence)):
                 break
             feed = [token]
         # the last draft token was never fed: it sits in no cache yet
@@ -92,7 +93,7 @@ class NgramProposer:
             raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}..{max_n}")
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, ids: list[int], k: int) -> Proposal:
+    def propose(self, ids: list[int], k: int, stop=None) -> Proposal:
         for n in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
             tail = ids[-n:]
             for start in range(len(ids) - n - 1, -1, -1):

@@ -146,7 +146,7 @@ def generate_speculative(
             ids = run.ids
             k = min(policy.next_k(), run.transcript.remaining - 1)  # a step commits up to k+1: never overshoot
             t = time.perf_counter()
-            proposal = proposer.propose(ids, k) if k > 0 else Proposal([], None)
+            proposal = proposer.propose(ids, k, policy.draft_stop()) if k > 0 else Proposal([], None)
             drafts = proposal.ids[:k]
             draft_ms = _ms_since(t)
 

@@ -10,6 +10,13 @@ cost of verifying K+1 tokens, both in units of one plain target step (v(K) = 1 +
 draft predicts the target well (code), the best K grows long (up to k_max, e.g. 16); when it predicts poorly, K
 shrinks to k_min. The cost of a plain step comes from the backend's baseline runs or from one measured plain step.
 
+Per-token stopping (`per_token`, for a draft model, which knows how sure it is of each token): instead of fixing K
+in advance, the draft keeps going while one more token is expected to raise tokens per millisecond. After n drafts
+with draft confidences a_1..a_n, the step is expected to commit E_n = 1 + sum_i (a_1 * ... * a_i) tokens at cost
+C_n = n*(draft + verify per token) + one target step; one more draft adds (a_1 * ... * a_n) * alpha tokens. On code
+it drafts long runs of sure tokens and stops at the first doubtful one; K (= k_max) is only the ceiling. The rule
+looks only at the draft's own state, so the rejection sampler stays exact.
+
 Fallback: when the tokens per second of the last few speculative steps fall below what plain decoding delivers,
 switch speculation off for `cooldown` plain steps, then try again. Every decision is returned as (action, k,
 reason) for the engine to record as a PolicyEvent.
@@ -35,6 +42,7 @@ class SpecPolicy:
     dynamic: bool = False
     k_min: int = 1
     k_max: int = 16
+    per_token: bool = False  # a draft model stops by DraftStop; K is then k_max, the ceiling
     fallback: bool = False
     window: int = 8  # speculative steps that the acceptance estimate and the fallback look at
     cooldown: int = 16  # plain steps before speculation is tried again
@@ -57,7 +65,14 @@ class SpecPolicy:
             return 0
         if (self.dynamic or self.fallback) and self.target_step_ms is None:
             return 0  # measure one plain step first: both decisions compare against it
-        return self.k
+        return self.k_max if self.draft_stop() else self.k
+
+    def draft_stop(self) -> "DraftStop | None":
+        """A fresh per-token stopping rule for the next step, once the costs it needs are measured."""
+        if not (self.per_token and self.dynamic and self.draft_ms_per_token and self.target_step_ms):
+            return None
+        return DraftStop(acceptance_alpha(self._recent), self.draft_ms_per_token + (self.verify_ms_per_token or 0.0),
+                         self.target_step_ms)
 
     def goodput(self, k: int, alpha: float) -> float:
         """Expected tokens per plain-step time at draft length k (1.0 = plain decoding)."""
@@ -79,7 +94,7 @@ class SpecPolicy:
         if self.target_step_ms:
             extra = max(0.0, step.verify_ms - self.target_step_ms) / step.drafted
             self.verify_ms_per_token = _ema(self.verify_ms_per_token, extra)
-            if self.dynamic:
+            if self.dynamic and not self.per_token:
                 decisions += self._choose_k()
             if self.fallback:
                 decisions += self._check_fallback()
@@ -117,3 +132,22 @@ class SpecPolicy:
             f"plain decoding {plain_rate:.1f} tok/s"
         )
         return [("fallback", 0, reason)]
+
+
+class DraftStop:
+    """One step's per-token stopping rule (see the module docstring): `more(a)` after each draft token."""
+
+    def __init__(self, alpha: float, token_ms: float, target_step_ms: float):
+        self.alpha = alpha  # acceptance of a token not drafted yet: the recent per-token rate
+        self.token_ms = token_ms  # one more draft token: drafting it plus its share of the verify pass
+        self.survive = 1.0  # probability that every draft so far is accepted
+        self.tokens = 1.0  # expected tokens committed if drafting stops now (the target's own token included)
+        self.cost = target_step_ms  # expected cost of the step if drafting stops now
+
+    def more(self, confidence: float) -> bool:
+        """Account for a draft token the draft gave `confidence`; True if drafting another one pays."""
+        self.survive *= confidence
+        self.tokens += self.survive
+        self.cost += self.token_ms
+        gain = self.survive * self.alpha
+        return (self.tokens + gain) / (self.cost + self.token_ms) > self.tokens / self.cost

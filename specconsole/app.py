@@ -345,7 +345,10 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
                     method = gr.Radio(["draft", "ngram"], value=host.method, label="Drafting method (local backend)")
                     with gr.Row():
                         k = gr.Slider(1, MAX_K, value=4, step=1, label="K (draft tokens per step)")
-                        dynamic_k = gr.Checkbox(value=True, label="Dynamic K")
+                        dynamic_k = gr.Checkbox(
+                            value=True, label="Dynamic K",
+                            info="draft model: keeps drafting while one more token is expected to pay (up to 16); "
+                                 "n-gram: K from the measured costs")
                     with gr.Row():
                         confidence = gr.Slider(0.0, 0.95, value=0.4, step=0.05, label="Draft stops below confidence")
                         fallback = gr.Checkbox(value=False, label="Fall back to plain decoding when it does not pay")

@@ -56,6 +56,20 @@ def test_dynamic_k_and_fallback(tiny_pair, smol_tokenizer):
     assert len({st.drafted for st in s.steps if st.drafted}) >= 1
 
 
+def test_per_token_draft_stop(tiny_pair, smol_tokenizer):
+    """The draft stops by its own confidence (policy.DraftStop): step lengths vary, the output does not."""
+    target, draft = tiny_pair
+    stops = StopConditions(80)
+    b = baseline(target, smol_tokenizer, PROMPT, stops)
+    # a (pretend) dear target step makes drafting look cheap, so that the draft's confidence decides the length
+    policy = SpecPolicy(k=2, dynamic=True, k_max=12, per_token=True, target_step_ms=1000.0)
+    s = speculative(target, smol_tokenizer, draft_proposer(draft, target), PROMPT, stops, policy)
+    assert s.output_ids == b.output_ids
+    assert policy.draft_stop() is not None  # the costs were measured, so the rule was in charge
+    lengths = {st.drafted for st in s.steps[3:] if st.drafted}
+    assert len(lengths) > 1 and max(lengths) <= 12
+
+
 @pytest.mark.parametrize("k", [2, 5])
 def test_ngram(tiny_pair, smol_tokenizer, k):
     target, _ = tiny_pair

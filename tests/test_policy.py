@@ -1,7 +1,7 @@
 """The K policy and the fallback, on constructed step records."""
 
 from engine.events import StepRecord
-from engine.policy import SpecPolicy
+from engine.policy import DraftStop, SpecPolicy
 
 
 def spec_step(drafted, accepted, draft_ms=10.0, verify_ms=110.0):
@@ -62,3 +62,41 @@ def test_no_fallback_when_speculation_pays():
     policy = SpecPolicy(k=4, fallback=True, window=3, target_step_ms=100.0)
     for _ in range(10):
         assert policy.observe(spec_step(4, 4)) == []
+
+
+def drafted_until_stop(confidences, token_ms, alpha=0.8, target_ms=100.0):
+    stop = DraftStop(alpha, token_ms, target_ms)
+    for n, a in enumerate(confidences, 1):
+        if not stop.more(a):
+            return n
+    return len(confidences)
+
+
+def test_draft_stop_runs_through_sure_tokens_and_stops_at_a_doubt():
+    assert drafted_until_stop([1.0] * 16, token_ms=2.0) == 16
+    # even sure drafts end at some length: the next token is only alpha likely, and each one costs the same
+    assert 10 <= drafted_until_stop([1.0] * 32, token_ms=20.0) < 32
+    assert drafted_until_stop([1.0, 1.0, 1.0, 0.3, 1.0, 1.0], token_ms=20.0) == 4  # the doubtful token ends it
+
+
+def test_draft_stop_follows_the_costs():
+    confidences = [0.9] * 16
+    assert drafted_until_stop(confidences, token_ms=2.0) > drafted_until_stop(confidences, token_ms=40.0) >= 1
+    assert drafted_until_stop(confidences, 20.0, alpha=0.95) >= drafted_until_stop(confidences, 20.0, alpha=0.3)
+
+
+def test_draft_stop_rule_by_hand():
+    """After one draft at confidence 0.5: E = 1.5 tokens for 100 + 20 ms; one more adds 0.5 * 0.8 = 0.4 tokens
+    for 20 ms: 1.9 / 140 > 1.5 / 120, so go on. At confidence 0.2: 1.36 / 140 < 1.2 / 120, so stop."""
+    assert DraftStop(0.8, 20.0, 100.0).more(0.5) is True
+    assert DraftStop(0.8, 20.0, 100.0).more(0.2) is False
+
+
+def test_per_token_policy_drafts_up_to_k_max_once_costs_are_known():
+    policy = SpecPolicy(k=4, dynamic=True, k_max=16, per_token=True, target_step_ms=100.0)
+    assert policy.draft_stop() is None and policy.next_k() == 4  # no draft cost measured yet
+    decisions = []
+    for _ in range(3):
+        decisions += policy.observe(spec_step(4, 2, draft_ms=20.0, verify_ms=110.0))
+    assert policy.draft_stop() is not None and policy.next_k() == 16
+    assert not [d for d in decisions if d[0] == "k_change"]  # the per-token rule, not K, decides the length

@@ -14,7 +14,7 @@ import engine.local
 from engine.drafters import DraftModelProposer
 from engine.events import RunResult
 from engine.local import generate_speculative
-from engine.policy import SpecPolicy
+from engine.policy import DraftStop, SpecPolicy
 from engine.sampling import SamplingParams, rejection_sample, warp
 from engine.stops import StopConditions
 from engine.forward import forward, new_cache
@@ -101,11 +101,18 @@ PARAMS = SamplingParams(temperature=1.0, top_p=0.7)
 class OneSidedTopP(DraftModelProposer):
     """Samples drafts with top-p but reports q without it: the draft and verifier disagree about q."""
 
-    def propose(self, ids, k):
-        proposal = super().propose(ids, k)
+    def propose(self, ids, k, stop=None):
+        proposal = super().propose(ids, k, stop)
         logits = torch.stack([forward_logits(self.model, ids + proposal.ids[:i]) for i in range(len(proposal.ids))])
         proposal.probs = self._pad(warp(logits, SamplingParams(temperature=self.params.temperature)))
         return proposal
+
+
+class StopsWhenUnsure(DraftModelProposer):
+    """Ends its draft by the policy's per-token rule, which reads the draft's confidence q(x) in its own token."""
+
+    def propose(self, ids, k, stop=None):
+        return super().propose(ids, k, DraftStop(alpha=0.8, token_ms=40.0, target_step_ms=100.0))
 
 
 def forward_logits(model, ids):
@@ -142,7 +149,7 @@ def sampled_outputs(target, draft, proposer_cls, n, length, seed):
         params = SamplingParams(temperature=PARAMS.temperature, top_p=PARAMS.top_p, seed=seed * 100000 + i)
         proposer = proposer_cls(draft, V, params, None)
         *_, result = generate_speculative(
-            target, _Tok(), proposer, PROMPT, params, StopConditions(length), SpecPolicy(k=2)
+            target, _Tok(), proposer, PROMPT, params, StopConditions(length), SpecPolicy(k=3)
         )
         assert isinstance(result, RunResult) and result.error is None, result.error
         outs.append(result.output_ids)
@@ -156,16 +163,20 @@ class _Tok:
         return "".join(chr(65 + i) for i in ids)
 
 
-def engine_pvalues(tiny16, proposer_cls, n=3000, seed=5):
+def engine_pvalues(tiny16, proposer_cls, n=3000, seed=5, length=3):
+    """Token 1 comes from the prefill; tokens 2..length from the first speculation step (K = length - 2)."""
     target, draft = tiny16
-    length = 3  # token 1 comes from the prefill; tokens 2 and 3 from a speculation step
     marg = exact_marginals(target, PARAMS, length)
     outs = sampled_outputs(target, draft, proposer_cls, n, length, seed)
-    return [chi2_pvalue(outs[:, i], marg[i]) for i in (1, 2)]
+    return [chi2_pvalue(outs[:, i], marg[i]) for i in range(1, length)]
 
 
 def test_engine_keeps_target_distribution(tiny16):
     assert min(engine_pvalues(tiny16, DraftModelProposer)) > ALPHA
+
+
+def test_engine_keeps_target_distribution_when_the_draft_stops_by_confidence(tiny16):
+    assert min(engine_pvalues(tiny16, StopsWhenUnsure, length=5)) > ALPHA
 
 
 def test_engine_test_catches_swapped_p_and_q(tiny16, monkeypatch):
