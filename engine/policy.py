@@ -65,11 +65,16 @@ class SpecPolicy:
             return 0
         if (self.dynamic or self.fallback) and self.target_step_ms is None:
             return 0  # measure one plain step first: both decisions compare against it
-        return self.k_max if self.draft_stop() else self.k
+        return self.k
+
+    @property
+    def stops_per_token(self) -> bool:
+        """The per-token rule is in charge once the costs it needs are measured."""
+        return bool(self.per_token and self.dynamic and self.draft_ms_per_token and self.target_step_ms)
 
     def draft_stop(self) -> "DraftStop | None":
-        """A fresh per-token stopping rule for the next step, once the costs it needs are measured."""
-        if not (self.per_token and self.dynamic and self.draft_ms_per_token and self.target_step_ms):
+        """A fresh per-token stopping rule for the next step (None while K decides)."""
+        if not self.stops_per_token:
             return None
         return DraftStop(acceptance_alpha(self._recent), self.draft_ms_per_token + (self.verify_ms_per_token or 0.0),
                          self.target_step_ms)
@@ -96,6 +101,11 @@ class SpecPolicy:
             self.verify_ms_per_token = _ema(self.verify_ms_per_token, extra)
             if self.dynamic and not self.per_token:
                 decisions += self._choose_k()
+            elif self.stops_per_token and self.k != self.k_max:
+                self.k = self.k_max
+                c = self.draft_ms_per_token / self.target_step_ms
+                why = f"a draft token costs {c:.2f} target steps; the draft stops when one more token would not pay"
+                decisions.append(("k_change", self.k, f"per-token stop from now on, K at most {self.k}: {why}"))
             if self.fallback:
                 decisions += self._check_fallback()
         return decisions
