@@ -164,7 +164,8 @@ class _Tok:
 
 
 def engine_pvalues(tiny16, proposer_cls, n=3000, seed=5, length=3):
-    """Token 1 comes from the prefill; tokens 2..length from the first speculation step (K = length - 2)."""
+    """Token 1 comes from the prefill, tokens 2..length from speculation steps (the first drafts length - 2,
+    so that K >= 2 when length >= 4); one p-value per position."""
     target, draft = tiny16
     marg = exact_marginals(target, PARAMS, length)
     outs = sampled_outputs(target, draft, proposer_cls, n, length, seed)
