@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import socket
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -66,3 +67,24 @@ def tiny_chat_pair(smol_tokenizer):
     target = tiny_llama(len(smol_tokenizer), seed=3)
     draft = perturbed(target, 0.6, seed=4)
     return prepare_target(target, CPU, strict=True), prepare_draft(draft, CPU, int8=False)
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_chat_pair, smol_tokenizer):
+    """A LocalBackend over tiny_chat_pair (one per test module: it remembers the measured target step)."""
+    from engine.backend import LocalBackend
+    from engine.models import LoadedModel
+
+    target, draft = tiny_chat_pair
+    return LocalBackend(LoadedModel("tiny", target, smol_tokenizer, CPU), LoadedModel("tiny-draft", draft, smol_tokenizer, CPU))
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct ports on 127.0.0.1 that were free a moment ago (all held open together, so none repeats)."""
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports

@@ -12,6 +12,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from tests.conftest import free_ports
+
 CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "artifacts"
@@ -19,16 +21,10 @@ ARTIFACTS = ROOT / "artifacts"
 pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def console(tmp_path_factory, smol_dir):
     db = tmp_path_factory.mktemp("db") / "history.db"
-    port = free_port()
+    port = free_ports(1)[0]
     env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False")
     log = open(tmp_path_factory.mktemp("log") / "console.log", "w+")
     proc = subprocess.Popen(
@@ -121,7 +117,7 @@ def test_run_history_and_csv(console, page, tmp_path):
 
 def test_page_is_up_before_models_finish(tmp_path):
     """The page answers while the models are still loading (here: a preset whose weights are not cached)."""
-    port = free_port()
+    port = free_ports(1)[0]
     env = dict(os.environ, HF_HUB_OFFLINE="1", SPECCONSOLE_CACHE=str(tmp_path / "empty-cache"))
     proc = subprocess.Popen(
         [sys.executable, "launch.py", "--preset", "smollm2-ngram", "--port", str(port), "--db", str(tmp_path / "h.db")],

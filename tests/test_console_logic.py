@@ -5,21 +5,13 @@ import sqlite3
 import pandas as pd
 import pytest
 
-from engine.backend import LocalBackend, Request
+from engine.backend import Request
 from engine.events import TokenEvent, TokenKind
-from engine.models import LoadedModel
 from specconsole import charts
 from specconsole.export import export_csv, neutralise
 from specconsole.history import History, HistoryError
 from specconsole.render import figures_html, token_span, tokens_html
 from specconsole.runner import Comparison, EngineClock
-from tests.conftest import CPU
-
-
-@pytest.fixture(scope="module")
-def backend(tiny_chat_pair, smol_tokenizer):
-    target, draft = tiny_chat_pair
-    return LocalBackend(LoadedModel("tiny", target, smol_tokenizer, CPU), LoadedModel("tiny-draft", draft, smol_tokenizer, CPU))
 
 
 def run_to_end(comp: Comparison) -> Comparison:

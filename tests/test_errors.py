@@ -14,12 +14,6 @@ from engine.weights import Chunk, GGUFSource, WeightsError, assemble, verify_fil
 from tests.conftest import CPU
 
 
-@pytest.fixture(scope="module")
-def backend(tiny_chat_pair, smol_tokenizer):
-    target, draft = tiny_chat_pair
-    return LocalBackend(LoadedModel("tiny", target, smol_tokenizer, CPU), LoadedModel("tiny-draft", draft, smol_tokenizer, CPU))
-
-
 @pytest.mark.parametrize(
     "request_, message",
     [

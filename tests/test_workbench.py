@@ -7,23 +7,15 @@ from statistics import median
 import pandas as pd
 import pytest
 
-from engine.backend import LocalBackend, Request
-from engine.models import LoadedModel
+from engine.backend import Request
 from specconsole.advisor import advise
 from specconsole.history import History
 from specconsole.report import write_csvs, write_html
 from specconsole.suites import SuitePrompt, categories, load_file, load_suite
 from specconsole.workbench import aggregate, request_for, run_suite, runs_frame
-from tests.conftest import CPU
 
 ITEMS = [SuitePrompt("code", "def add(a, b):"), SuitePrompt("code", "print('hello')"),
          SuitePrompt("chat", "hi there", 0.7, (("user", "hello"), ("assistant", "hi!")))]
-
-
-@pytest.fixture(scope="module")
-def backend(tiny_chat_pair, smol_tokenizer):
-    target, draft = tiny_chat_pair
-    return LocalBackend(LoadedModel("tiny", target, smol_tokenizer, CPU), LoadedModel("tiny-draft", draft, smol_tokenizer, CPU))
 
 
 def test_every_category_has_eight_prompts():
