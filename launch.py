@@ -40,7 +40,7 @@ def preset_of(args):
 def add_request_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default=None, choices=["draft", "ngram"], help="default: the preset's")
     p.add_argument("--k", type=int, default=4, help="draft tokens per step")
-    p.add_argument("--dynamic-k", action="store_true", help="choose K per step from measured costs")
+    p.add_argument("--dynamic-k", action="store_true", help="draft length per step from measured costs (a draft model stops token by token)")
     p.add_argument("--fallback", action="store_true", help="switch speculation off while it does not pay")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)

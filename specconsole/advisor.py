@@ -26,13 +26,15 @@ class Advice:
     reasons: list[str] = field(default_factory=list)
     settings: dict = field(default_factory=dict)
 
-    def markdown(self) -> str:
-        head = f"**{self.category}: {self.verdict}**"
-        if self.expected_speedup is not None:
-            head += f" (expected {self.expected_speedup:.2f}x)"
+    def details(self) -> str:
+        """What follows "category: verdict" in a headline: the expected speedup and the settings."""
+        out = "" if self.expected_speedup is None else f" (expected {self.expected_speedup:.2f}x)"
         if self.settings:
-            head += " with " + ", ".join(f"{k} = {v}" for k, v in self.settings.items())
-        return head + "\n" + "\n".join(f"- {r}" for r in self.reasons)
+            out += " with " + ", ".join(f"{k} = {v}" for k, v in self.settings.items())
+        return out
+
+    def markdown(self) -> str:
+        return f"**{self.category}: {self.verdict}**{self.details()}\n" + "\n".join(f"- {r}" for r in self.reasons)
 
 
 def advise(aggregate: pd.DataFrame, sweep_variable: str | None = None, default_value: str = "",

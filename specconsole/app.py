@@ -347,8 +347,8 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
                         k = gr.Slider(1, MAX_K, value=4, step=1, label="K (draft tokens per step)")
                         dynamic_k = gr.Checkbox(
                             value=True, label="Dynamic K",
-                            info="draft model: keeps drafting while one more token is expected to pay (up to 16); "
-                                 "n-gram: K from the measured costs")
+                            info="draft model: keeps drafting while one more token is expected to pay "
+                                 "(up to 16, or K if higher); n-gram: K from the measured costs")
                     with gr.Row():
                         confidence = gr.Slider(0.0, 0.95, value=0.4, step=0.05, label="Draft stops below confidence")
                         fallback = gr.Checkbox(value=False, label="Fall back to plain decoding when it does not pay")

@@ -95,10 +95,7 @@ def write_html(agg: pd.DataFrame, advice: list[Advice], out: Path, suite_id: str
                conc: pd.DataFrame | None = None) -> Path:
     parts = [f"<h1>SpecConsole suite {escape(suite_id)}</h1>", f"<p>{escape(title_note)}</p>", "<h2>Advice</h2>"]
     for a in advice:
-        settings = ", ".join(f"{k} = {v}" for k, v in a.settings.items())
-        parts.append(f"<h3>{escape(a.category)}: {escape(a.verdict)}"
-                     + (f" (expected {a.expected_speedup:.2f}x)" if a.expected_speedup else "")
-                     + (f" with {escape(settings)}" if settings else "") + "</h3><ul>"
+        parts.append(f"<h3>{escape(f'{a.category}: {a.verdict}{a.details()}')}</h3><ul>"
                      + "".join(f"<li>{escape(r)}</li>" for r in a.reasons) + "</ul>")
     parts.append("<h2>Per category</h2>")
     parts.append(agg.map(neutralise).to_html(index=False, float_format=lambda v: f"{v:.3g}"))

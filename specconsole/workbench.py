@@ -23,6 +23,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from engine.backend import Request
+from engine.models import chat_messages
 from specconsole.advisor import Advice, advise
 from engine.vllm_backend import speculative_config
 from specconsole.history import History
@@ -130,8 +131,12 @@ def runs_frame(history: History, suite_id: str) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _present(values) -> list:
+    return [v for v in values if v is not None and v == v]  # v == v drops NaN
+
+
 def _med(values) -> float | None:
-    values = [v for v in values if v is not None and v == v]
+    values = _present(values)
     return median(values) if values else None
 
 
@@ -142,7 +147,7 @@ def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
     done = runs[runs["status"] == "completed"]
     rows = []
     for (category, value), g in done.groupby(["category", "sweep_value"], sort=True):
-        speedups = [v for v in g["speedup"] if v is not None and v == v]
+        speedups = _present(g["speedup"])
         positions = [p for p in g["per_position"] if p]
         width = max((len(p) for p in positions), default=0)
         rows.append({
@@ -175,8 +180,7 @@ def advice_for(backend, agg: pd.DataFrame, variable: str | None, concurrency: pd
 async def _burst(url: str, model: str, prompts: list[str], max_tokens: int, headers: dict) -> tuple[int, float]:
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=300.0), headers=headers) as client:
         async def one(prompt):
-            body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                    "temperature": 0}
+            body = {"model": model, "messages": chat_messages(prompt), "max_tokens": max_tokens, "temperature": 0}
             r = await client.post(url + "/v1/chat/completions", json=body)
             r.raise_for_status()
             return r.json()["usage"]["completion_tokens"]
