@@ -18,7 +18,8 @@ FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 SUMMARY_COLUMNS = [
     "id", "created_at", "finished_at", "status", "error", "category", "backend", "target_model", "draft_model",
     "method", "mode", "suite_id", "prompt", "baseline_output", "speculative_output", "speedup", "acceptance_rate",
-    "mean_accepted_length", "baseline_tps", "speculative_tps", "identical", "first_divergence",
+    "mean_accepted_length", "baseline_tps", "speculative_tps", "identical", "first_divergence", "noisy", "sampling_check", "nll_baseline", "nll_speculative",
+    "repeat",
 ]
 
 

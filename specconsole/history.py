@@ -31,6 +31,8 @@ RUN_COLUMNS = {
     "speculative_metrics": str, "comparison": str, "baseline_error": str, "speculative_error": str,
     "speedup": float, "acceptance_rate": float, "mean_accepted_length": float, "baseline_tps": float,
     "speculative_tps": float, "identical": int, "first_divergence": int,
+    # trust: was the machine busy with other work during the run; is the sampled output as likely as the target's
+    "noisy": int, "sampling_check": str, "nll_baseline": float, "nll_speculative": float, "repeat": int,
 }
 
 
@@ -107,6 +109,9 @@ class History:
             "speculative_tps": s.metrics.get("tokens_per_s") if s else None,
             "identical": None if "identical" not in comparison else int(comparison["identical"]),
             "first_divergence": comparison.get("first_divergence"),
+            "noisy": None if comparison.get("noisy") is None else int(comparison["noisy"]),
+            "sampling_check": comparison.get("sampling_check"),
+            "nll_baseline": comparison.get("nll_baseline"), "nll_speculative": comparison.get("nll_speculative"),
         }
 
         def write():
