@@ -194,14 +194,20 @@ def suite(args) -> int:
     from engine.sampling import SamplingParams
     from specconsole.history import History
     from specconsole.report import write_csvs, write_html
-    from specconsole.suites import categories, load_file, load_suite
+    from specconsole.suites import categories, load_file, load_suite, suite_items
     from specconsole.workbench import SWEEPS, advice_for, aggregate, concurrency_sweep, run_suite, runs_frame
 
     items = []
-    for category in args.category or ([] if args.file else categories()):
-        items += load_suite(category)[: args.prompts]
-    if args.file:
-        items += load_file(args.file)[: args.prompts]
+    try:
+        for category in args.category or ([] if args.file or args.suite else categories()):
+            items += load_suite(category)[: args.prompts]
+        for name in args.suite or []:  # external suites: a seeded sample, spread over the suite's categories
+            items += suite_items(name, args.prompts, args.sample_seed)
+        if args.file:
+            items += load_file(args.file)[: args.prompts]
+    except ValueError as e:  # an unknown category, a bad file, an external suite's package not installed
+        log.error("%s", e)
+        return 2
     host = (vllm_host(args) if args.backend == "vllm" else local_host(args)).start()
     try:
         if not host.wait():
@@ -220,14 +226,14 @@ def suite(args) -> int:
                        dynamic_k=args.dynamic_k, draft_confidence=args.draft_confidence,
                        sampling=SamplingParams(0.0, 0, args.top_p, args.seed))
         meta = {**backend.describe(), "method": base.method}
-        result = run_suite(backend, items, base, history, meta, args.mode, args.sweep, values)
+        result = run_suite(backend, items, base, history, meta, args.mode, args.sweep, values, repeats=args.repeats)
         runs = runs_frame(history, result.suite_id)
         agg = aggregate(runs)
         _, per_category = write_csvs(runs, agg, out)
         advice = advice_for(backend, agg, None if args.sweep == "none" else args.sweep)
         if args.report:
             write_html(agg, advice, Path(args.report), result.suite_id, host.label)
-        sys.stdout.write(agg.drop(columns=["per_position"]).to_string(index=False) + "\n\n")
+        sys.stdout.write(agg.drop(columns=["per_position", "prompt_speedups"]).to_string(index=False) + "\n\n")
         sys.stdout.write("\n\n".join(a.markdown() for a in advice) + "\n")
         log.info("suite %s: %d runs saved in %s; CSV %s and %s", result.suite_id, len(result.run_ids), args.db,
                  out, per_category)
@@ -240,16 +246,23 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "suite":
+        from specconsole.suites import EXTERNAL_SUITES
         from specconsole.workbench import SWEEPS
 
         p = argparse.ArgumentParser(prog="launch.py suite", description="run prompt suites on both engines")
         add_engine_args(p)
         add_backend_args(p)
         p.add_argument("--category", action="append", help="suite from assets/prompts (repeatable; default: all)")
+        p.add_argument("--suite", action="append", choices=sorted(EXTERNAL_SUITES),
+                       help="external suite, read from its pinned PyPI package (repeatable)")
         p.add_argument("--file", help="your own suite: JSONL or CSV with a prompt column")
-        p.add_argument("--prompts", type=int, default=8, help="prompts per suite")
+        p.add_argument("--prompts", type=int, default=8,
+                       help="prompts per suite: the first N of a category or file, N sampled from an external suite")
+        p.add_argument("--sample-seed", type=int, default=0, help="seed of the external suites' sample")
         p.add_argument("--sweep", default="none", choices=sorted(SWEEPS))
         p.add_argument("--values", help="comma-separated sweep values (default: the sweep's usual ones)")
+        p.add_argument("--repeats", type=int, default=1,
+                       help="runs per prompt, interleaved, alternating which engine goes first; 2+ measure the noise")
         p.add_argument("--mode", default="fair", choices=["fair", "race"])
         p.add_argument("--method", choices=["draft", "ngram"])
         p.add_argument("--k", type=int, default=4)

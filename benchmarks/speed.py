@@ -1,19 +1,32 @@
-"""Speed benchmark: our baseline vs our speculative engine vs Hugging Face assisted generation, per category.
+"""Speed benchmark: our baseline vs our speculative engine vs Hugging Face assisted generation, on standard suites.
 
-    python -m benchmarks.speed [--preset qwen-coder] [--categories code json_sql] [--prompts 2] [--repeats 3]
+    python -m benchmarks.speed                        24 HumanEval + 16 MT-Bench prompts (2 per category), seed 0
+    python -m benchmarks.speed --suite ours           the in-repo categories instead (or --categories code chat)
+    python -m benchmarks.speed --preset smollm2-ngram --limit-prompts 2 --repeats 1 --max-new-tokens 16   quick check
 
 All four runs of a prompt use the same two model objects with the same optimisations (prepacked float32 target,
-int8 draft on CPU), greedy decoding, the chat template and the same token budget. Every figure is the median over
-the repeats of the ratio measured within one repeat. Prints a table per category; nothing here is a test.
+int8 draft on CPU), greedy decoding (whatever temperature a suite gives), the chat template (with a multi-turn
+prompt's earlier turns) and the same token budget. Within one repeat a prompt runs on all four back to back, in
+the reverse order on odd repeats so that a drift in the machine's speed favours none of them; repeats are full
+passes over the prompts. Per prompt, each figure is the median over repeats of the figure measured within one
+repeat (speedup, ours/HF are within-repeat ratios); per category, per suite and overall, the median over prompts,
+with a 95 % percentile bootstrap interval over prompts for speedup and ours/HF. Machine noise: the coefficient of
+variation of the baseline's tok/s over the repeats of a prompt (median over prompts). A preset without a draft
+model (n-gram drafting) has nothing to hand HF assisted generation: its columns read n/a and HF is not run.
+Prints a markdown table; nothing here is a test.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import logging
+import math
+import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -21,9 +34,14 @@ from engine.backend import LocalBackend, Request
 from engine.events import RunResult
 from engine.metrics import compare, first_divergence
 from engine.models import PRESETS, encode_prompt
-from specconsole.suites import categories, load_suite
+from engine.stats import bootstrap_ci
+from specconsole.suites import EXTERNAL_SUITES, SuitePrompt, categories, load_external, load_suite
 
 log = logging.getLogger("benchmarks.speed")
+
+NOISE_WARNING = 0.10  # above this coefficient of variation, single figures are not to be trusted
+ENGINES = ("baseline", "speculative", "hf", "hf_assisted")
+NAN = float("nan")
 
 
 class PassCounter:
@@ -46,7 +64,7 @@ def run_engine(backend, engine: str, req: Request) -> RunResult:
 
 def run_hf(backend, req: Request, assisted: bool, counter: PassCounter) -> tuple[list[int], float, int]:
     t = backend.target
-    ids = torch.tensor([encode_prompt(t.tokenizer, req.prompt)], device=t.device)
+    ids = torch.tensor([encode_prompt(t.tokenizer, req.prompt, req.chat, req.earlier_turns)], device=t.device)
     kwargs = dict(
         max_new_tokens=req.max_new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
         eos_token_id=sorted(t.eos_ids), pad_token_id=t.tokenizer.pad_token_id or sorted(t.eos_ids)[0],
@@ -61,29 +79,41 @@ def run_hf(backend, req: Request, assisted: bool, counter: PassCounter) -> tuple
     return out[0, ids.shape[1]:].tolist(), seconds, counter.count
 
 
-def bench_prompt(backend, req: Request, counter: PassCounter) -> dict:
-    b = run_engine(backend, "baseline", req)
-    s = run_engine(backend, "speculative", req)
-    hf_ids, hf_s, _ = run_hf(backend, req, False, counter)
-    hfa_ids, hfa_s, hfa_passes = run_hf(backend, req, True, counter)
+def engine_order(repeat: int, with_hf: bool) -> list[str]:
+    """The engines of one repeat, in running order: reversed on odd repeats, so that drift cancels."""
+    order = list(ENGINES if with_hf else ENGINES[:2])
+    return order[::-1] if repeat % 2 else order
+
+
+def bench_prompt(backend, req: Request, counter: PassCounter, order: list[str]) -> dict:
+    """One repeat of one prompt: the engines of `order` back to back, and the figures of this repeat."""
+    runs = {}
+    for engine in order:
+        if engine in ("baseline", "speculative"):
+            runs[engine] = run_engine(backend, engine, req)
+        else:
+            runs[engine] = run_hf(backend, req, engine == "hf_assisted", counter)
+    b, s = runs["baseline"], runs["speculative"]
     c = compare(b, s, greedy=True)
-    hf_speedup = (len(hfa_ids) / hfa_s) / (len(hf_ids) / hf_s)
-    return {
+    row = {
         "baseline_tps": b.metrics["tokens_per_s"],
         "spec_tps": s.metrics["tokens_per_s"],
         "speedup": c["speedup"],
         "acceptance": s.metrics["acceptance_rate"] or 0.0,
         "mean_accepted_length": s.metrics["mean_accepted_length"] or 1.0,
-        "bound": c.get("machine_bound", float("nan")),
-        "efficiency": c.get("efficiency", float("nan")),
-        "hf_speedup": hf_speedup,
-        "ours_vs_hf": c["speedup"] / hf_speedup,
+        "bound": c.get("machine_bound", NAN),
+        "efficiency": c.get("efficiency", NAN),
         "identical": c["identical"],
-        "hf_identical": first_divergence(b.output_ids, hfa_ids) is None,
-        "hf_target_passes": hfa_passes,
         "our_target_passes": s.metrics["target_passes"],
         "tokens": len(b.output_ids),
+        "hf_speedup": NAN, "ours_vs_hf": NAN, "hf_identical": None, "hf_target_passes": None,  # no draft: n/a
     }
+    if "hf_assisted" in runs:
+        (hf_ids, hf_s, _), (hfa_ids, hfa_s, hfa_passes) = runs["hf"], runs["hf_assisted"]
+        hf_speedup = (len(hfa_ids) / hfa_s) / (len(hf_ids) / hf_s)
+        row |= {"hf_speedup": hf_speedup, "ours_vs_hf": c["speedup"] / hf_speedup,
+                "hf_identical": first_divergence(b.output_ids, hfa_ids) is None, "hf_target_passes": hfa_passes}
+    return row
 
 
 COLUMNS = [
@@ -92,14 +122,133 @@ COLUMNS = [
     ("bound", "bound", "{:.2f}x"), ("efficiency", "effic.", "{:.2f}"), ("hf_speedup", "HF asst", "{:.2f}x"),
     ("ours_vs_hf", "ours/HF", "{:.2f}"),
 ]
+WITH_CI = ("speedup", "ours_vs_hf")
+
+
+def _median(values) -> float:
+    """Median of the values that are there (None and NaN are not: e.g. HF figures of a preset without a draft)."""
+    present = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.median(present) if present else NAN
+
+
+def per_prompt(reps: list[dict]) -> dict:
+    """A prompt's figures: the median over repeats of each within-repeat figure, and the machine noise (the
+    coefficient of variation of the baseline's tok/s over the repeats; NaN with one repeat)."""
+    row = {key: _median(r[key] for r in reps) for key, *_ in COLUMNS}
+    tps = [r["baseline_tps"] for r in reps]
+    row["noise"] = statistics.stdev(tps) / statistics.mean(tps) if len(tps) > 1 else NAN
+    row["identical"] = all(r["identical"] for r in reps)
+    hf = [r["hf_identical"] for r in reps]
+    row["hf_identical"] = None if None in hf else all(hf)
+    return row
+
+
+def summarise(prompts: list[dict]) -> dict:
+    """A group of prompts: the median over prompts of each figure, a 95 % bootstrap interval over prompts for
+    speedup and ours/HF (None where there is no value), and how many prompts kept the baseline's greedy output."""
+    row = {key: _median(p[key] for p in prompts) for key in [k for k, *_ in COLUMNS] + ["noise"]}
+    for key in WITH_CI:
+        values = [p[key] for p in prompts if not math.isnan(p[key])]
+        row[key + "_ci"] = bootstrap_ci(values)[1:] if values else None
+    row["prompts"] = len(prompts)
+    row["identical"] = f"{sum(p['identical'] for p in prompts)}/{len(prompts)}"
+    hf = [p["hf_identical"] for p in prompts if p["hf_identical"] is not None]
+    row["hf_identical"] = f"{sum(hf)}/{len(hf)}" if hf else "n/a"
+    return row
+
+
+def groups(prompts: list[dict]) -> dict[str, list[dict]]:
+    """Rows of the table: each category, each suite that spans several categories, and "all"."""
+    rows: dict[str, list[dict]] = {}
+    for p in prompts:
+        rows.setdefault(p["category"], []).append(p)
+    for suite in dict.fromkeys(p["suite"] for p in prompts):
+        members = [p for p in prompts if p["suite"] == suite]
+        if len({p["category"] for p in members}) > 1:
+            rows[suite] = members
+    rows["all"] = prompts
+    return rows
+
+
+def _cell(value: float, fmt: str) -> str:
+    return "n/a" if value is None or math.isnan(value) else fmt.format(value)
+
+
+def table(rows: dict[str, dict]) -> str:
+    header = ["category", "prompts"] + [h + (" [95% CI]" if k in WITH_CI else "") for k, h, _ in COLUMNS]
+    header += ["noise", "identical", "HF ident."]
+    lines = [" | ".join(header), " | ".join("---" for _ in header)]
+    for name, row in rows.items():
+        cells = [name, str(row["prompts"])]
+        for key, _, fmt in COLUMNS:
+            cell = _cell(row[key], fmt)
+            if key in WITH_CI and row[key + "_ci"] is not None:
+                low, high = row[key + "_ci"]
+                cell += f" [{fmt.format(low).rstrip('x')}, {fmt.format(high).rstrip('x')}]"
+            cells.append(cell)
+        cells += [_cell(100 * row["noise"], "{:.1f} %"), row["identical"], row["hf_identical"]]
+        lines.append(" | ".join(cells))
+    return "\n".join("| " + line + " |" for line in lines)
+
+
+def machine() -> str:
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()} cores, {model}"
+
+
+def describe_prompts(plan: list[tuple[str, SuitePrompt]], seed: int) -> str:
+    names = {"humaneval": "HumanEval", "mtbench": "MT-Bench", "ours": "in-repo"}
+    parts = []
+    for suite in dict.fromkeys(s for s, _ in plan):
+        cats = [item.category for s, item in plan if s == suite]
+        counts = {c: cats.count(c) for c in cats}
+        spread = ""
+        if len(counts) > 1:
+            per = set(counts.values())
+            spread = f" ({per.pop()} per category)" if len(per) == 1 else f" (over {len(counts)} categories)"
+        which = f" {', '.join(counts)}" if suite == "ours" else ""
+        parts.append(f"{len(cats)} {names[suite]}{which}{spread}")
+    sampled = any(s in EXTERNAL_SUITES for s, _ in plan)
+    return " + ".join(parts) + (f", sample seed {seed}" if sampled else "")
+
+
+def plan_prompts(args) -> list[tuple[str, SuitePrompt]]:
+    """(suite, prompt) pairs: seeded samples of the external suites and/or the first prompts of in-repo categories."""
+    cap = (lambda n: n) if args.limit_prompts is None else (lambda n: min(n, args.limit_prompts))
+    suites = list(args.suite or (["ours"] if args.categories else EXTERNAL_SUITES))
+    if args.categories and "ours" not in suites:
+        suites.append("ours")
+    plan = []
+    for suite in dict.fromkeys(suites):
+        if suite == "ours":
+            for category in args.categories or categories():
+                plan += [("ours", item) for item in load_suite(category)[: cap(args.prompts)]]
+        else:
+            n = args.humaneval_prompts if suite == "humaneval" else args.mtbench_prompts
+            plan += [(suite, item) for item in load_external(suite, cap(n), args.sample_seed)]
+    return plan
 
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", default="qwen-coder", choices=sorted(PRESETS))
-    p.add_argument("--categories", nargs="*", default=categories())
-    p.add_argument("--prompts", type=int, default=2, help="prompts per category (the first N of each suite)")
+    p.add_argument("--suite", action="append", choices=sorted(EXTERNAL_SUITES) + ["ours"],
+                   help="repeatable; default: humaneval and mtbench (ours: the in-repo categories)")
+    p.add_argument("--humaneval-prompts", type=int, default=24, help="HumanEval prompts sampled")
+    p.add_argument("--mtbench-prompts", type=int, default=16, help="MT-Bench prompts sampled, spread evenly over "
+                   "its 8 categories (a second turn counts as a prompt)")
+    p.add_argument("--sample-seed", type=int, default=0, help="seed of the HumanEval / MT-Bench samples")
+    p.add_argument("--categories", nargs="*", help="in-repo categories (implies --suite ours; default: all)")
+    p.add_argument("--prompts", type=int, default=2, help="prompts per in-repo category (the first N)")
+    p.add_argument("--limit-prompts", type=int, help="quick run: at most N prompts per suite / in-repo category")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=4)
@@ -109,46 +258,71 @@ def main(argv=None) -> int:
     p.add_argument("--strict", action="store_true")
     args = p.parse_args(argv)
 
+    try:
+        plan = plan_prompts(args)
+    except ValueError as e:  # e.g. a suite's package is not installed
+        log.error("%s", e)
+        return 2
+    if not plan:
+        log.error("no prompts to run")
+        return 2
     backend = LocalBackend.from_preset(args.preset, strict=args.strict)
     counter = PassCounter(backend.target.model)
     method = PRESETS[args.preset].method
-    dg = backend.draft.model.generation_config if backend.draft else None
-    log.info("HF assisted generation: num_assistant_tokens=%s schedule=%s confidence=%s",
-             getattr(dg, "num_assistant_tokens", None), getattr(dg, "num_assistant_tokens_schedule", None),
-             getattr(dg, "assistant_confidence_threshold", None))
+    with_hf = backend.draft is not None
+    if with_hf:
+        dg = backend.draft.model.generation_config
+        log.info("HF assisted generation: num_assistant_tokens=%s schedule=%s confidence=%s",
+                 getattr(dg, "num_assistant_tokens", None), getattr(dg, "num_assistant_tokens_schedule", None),
+                 getattr(dg, "assistant_confidence_threshold", None))
+    else:
+        log.info("preset %s has no draft model: HF assisted generation has nothing to draft with (n/a)", args.preset)
     warm = Request(prompt="Hello", max_new_tokens=8, method=method, k=args.k)
     run_engine(backend, "baseline", warm)  # first calls pay one-off costs; also measures the target's step
     run_engine(backend, "speculative", warm)
 
-    rows = {}
-    for category in args.categories:
-        per_prompt = []
-        for item in load_suite(category)[: args.prompts]:
-            req = Request(prompt=item.prompt, max_new_tokens=args.max_new_tokens, method=method, k=args.k,
-                          dynamic_k=not args.fixed_k, draft_confidence=args.confidence,
-                          per_token=not args.no_per_token)
-            reps = []
-            for r in range(args.repeats):
-                reps.append(bench_prompt(backend, req, counter))
-                log.info("%s rep %d: speedup %.2fx (HF %.2fx), identical=%s", category, r + 1,
-                         reps[-1]["speedup"], reps[-1]["hf_speedup"], reps[-1]["identical"])
-            per_prompt.append({k: statistics.median(x[k] for x in reps) for k, *_ in COLUMNS}
-                              | {"identical": all(x["identical"] for x in reps),
-                                 "hf_identical": all(x["hf_identical"] for x in reps)})
-        rows[category] = {k: statistics.median(x[k] for x in per_prompt) for k, *_ in COLUMNS} | {
-            "identical": f"{sum(x['identical'] for x in per_prompt)}/{len(per_prompt)}",
-            "hf_identical": f"{sum(x['hf_identical'] for x in per_prompt)}/{len(per_prompt)}",
-        }
+    # greedy whatever temperature the suite gives (Request's default sampling), so outputs can be compared
+    requests = [Request(prompt=item.prompt, earlier_turns=item.earlier_turns, max_new_tokens=args.max_new_tokens,
+                        method=method, k=args.k, dynamic_k=not args.fixed_k, draft_confidence=args.confidence,
+                        per_token=not args.no_per_token) for _, item in plan]
+    reps: list[list[dict]] = [[] for _ in plan]
+    interrupted = False
+    try:
+        for r in range(args.repeats):
+            order = engine_order(r, with_hf)
+            for i, ((_, item), req) in enumerate(zip(plan, requests)):
+                reps[i].append(bench_prompt(backend, req, counter, order))
+                last = reps[i][-1]
+                log.info("repeat %d/%d, prompt %d/%d (%s): speedup %.2fx (HF %s), identical=%s", r + 1,
+                         args.repeats, i + 1, len(plan), item.category, last["speedup"],
+                         _cell(last["hf_speedup"], "{:.2f}x"), last["identical"])
+    except KeyboardInterrupt:
+        log.warning("interrupted: summarising the repeats completed so far")
+        interrupted = True
 
-    out = sys.stdout
+    prompts = [per_prompt(rs) | {"suite": suite, "category": item.category}
+               for (suite, item), rs in zip(plan, reps) if rs]
+    if not prompts:
+        return 1
+    rows = {name: summarise(members) for name, members in groups(prompts).items()}
+
     kind = "fixed K=%d" % args.k if args.fixed_k else "dynamic K" + ("" if args.no_per_token else ", per-token stop")
-    out.write(f"\npreset {args.preset}, {kind}, greedy, {args.max_new_tokens} new tokens, "
-              f"medians over {args.repeats} repeats x {args.prompts} prompts\n")
-    header = ["category"] + [h for _, h, _ in COLUMNS] + ["identical", "HF ident."]
-    out.write(" | ".join(header) + "\n" + " | ".join("---" for _ in header) + "\n")
-    for category, row in rows.items():
-        cells = [category] + [fmt.format(row[k]) for k, _, fmt in COLUMNS] + [row["identical"], row["hf_identical"]]
-        out.write(" | ".join(cells) + "\n")
+    out = sys.stdout
+    repeats = f"{args.repeats} repeat{'s' if args.repeats != 1 else ''}"
+    repeats += " (interrupted: fewer for some prompts)" if interrupted else ""
+    out.write(f"\nPrompts: {describe_prompts(plan, args.sample_seed)}; {repeats}, engine order reversed "
+              f"on odd repeats; greedy; {args.max_new_tokens} new tokens; preset {args.preset} ({kind}, confidence "
+              f"floor {args.confidence}); machine: {machine()}; {datetime.date.today().isoformat()}.\n\n")
+    out.write(table(rows) + "\n\n")
+    out.write("Per prompt the median over repeats of within-repeat figures; per row the median over prompts, with "
+              "a 95 % percentile bootstrap interval over prompts (10,000 resamples, seed 0) for speedup and "
+              "ours/HF. Noise: coefficient of variation of the baseline's tok/s over repeats (median over "
+              "prompts).\n")
+    noise = rows["all"]["noise"]
+    if noise > NOISE_WARNING:
+        noisy = [name for name, row in rows.items() if row["noise"] > NOISE_WARNING and name != "all"]
+        out.write(f"\n> **Warning:** machine noise {100 * noise:.1f} % (above {100 * NOISE_WARNING:.0f} %; "
+                  f"noisiest: {', '.join(noisy)}): the machine was busy, rerun on a quiet one.\n")
     return 0
 
 

@@ -1,34 +1,50 @@
-"""Is speculative decoding worth it for this workload? Verdicts per category from measured figures only.
+"""Is speculative decoding worth it for this workload? Verdicts per category from the measured interval only.
 
-The checklist: how predictable is the output (acceptance), does it pay end to end (measured speedup), is there
-memory for a second model, how much of the time is prefill (which speculation cannot shorten), and up to which
-concurrency it still pays. Every reason quotes the number it came from.
+The verdict comes from the 95 % bootstrap interval of the category's median speedup over prompts (engine/stats.py):
+- enable: the interval's lower bound is at least 1.05x;
+- don't: its upper bound is below 1.00x (speculation is measurably slower);
+- undecided: anything between, and always with fewer than 3 prompts. The advice then says how many prompts the
+  spread seen between prompts needs for a decision, or that the measured gain lies in the 1.00-1.05x band, where
+  more prompts will not decide it.
+A sweep recommends another setting ("enable with these settings") only when that setting's interval lies wholly
+above the default's and itself clears 1.05x. Acceptance, memory, prefill share, concurrency and the machine's noise
+explain the figure; they never override it. Every reason quotes the number it came from.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from statistics import median
 
 import pandas as pd
 
-ENABLE_AT = 1.2  # measured median speedup from which we say "enable"
-WORTH_AT = 1.05  # below this the gain is lost in noise and the extra model's cost
+from engine.stats import log_spread, prompts_needed
+
+ENABLE_AT = 1.05  # the interval's lower bound must clear this: a smaller gain is not worth a second engine path
+SLOWER_BELOW = 1.0  # an upper bound below this: measurably slower than the baseline
+MIN_PROMPTS = 3  # fewer prompts say nothing about a workload, whatever their interval
 LOW_ACCEPTANCE = 0.4
 PREFILL_HEAVY = 0.5
-BETTER_BY = 1.1  # a sweep value must beat the default by 10 % to be recommended
+NOISY_CV = 0.10  # the baseline's tok/s varying more than this between repeats of one prompt: a busy machine
+MODEL_FREE = ("ngram", "suffix")  # drafting methods that look drafts up instead of running a draft model
 
 
 @dataclass
 class Advice:
     category: str
-    verdict: str  # "enable" | "enable with these settings" | "don't"
-    expected_speedup: float | None
+    verdict: str  # "enable" | "enable with these settings" | "don't" | "undecided"
+    expected_speedup: float | None  # only when the verdict enables
     reasons: list[str] = field(default_factory=list)
     settings: dict = field(default_factory=dict)
+    interval: tuple[float, float, float] | None = None  # (median, low, high) of the speedup the verdict rests on
 
     def details(self) -> str:
-        """What follows "category: verdict" in a headline: the expected speedup and the settings."""
-        out = "" if self.expected_speedup is None else f" (expected {self.expected_speedup:.2f}x)"
+        """What follows "category: verdict" in a headline: the speedup with its interval, and the settings."""
+        out = ""
+        if self.interval is not None:
+            point, low, high = self.interval
+            word = "measured" if self.expected_speedup is None else "expected"
+            out = f" ({word} {point:.2f}x, 95 % CI {low:.2f}x to {high:.2f}x)"
         if self.settings:
             out += " with " + ", ".join(f"{k} = {v}" for k, v in self.settings.items())
         return out
@@ -37,9 +53,129 @@ class Advice:
         return f"**{self.category}: {self.verdict}**{self.details()}\n" + "\n".join(f"- {r}" for r in self.reasons)
 
 
+def _known(value) -> bool:
+    return value is not None and value == value  # value == value drops NaN
+
+
+def _interval(row) -> tuple[float, float, float]:
+    return float(row["speedup"]), float(row["speedup_low"]), float(row["speedup_high"])
+
+
+def _ci(row) -> str:
+    return f"{row['speedup']:.2f}x (95 % CI {row['speedup_low']:.2f}x to {row['speedup_high']:.2f}x)"
+
+
+def _against(value: float, threshold: float) -> str:
+    """A bound, with a third decimal where two would print it equal to the threshold it is compared with."""
+    return f"{value:.3f}x" if round(value, 2) == threshold else f"{value:.2f}x"
+
+
+def _more_prompts(speedups: list[float], prompts: int) -> str:
+    """How many prompts would decide it, at the spread seen so far."""
+    if len(speedups) < 2:
+        return f"{prompts} prompt shows no spread between prompts to size the suite from: run at least {MIN_PROMPTS}"
+    needed = prompts_needed(speedups, ENABLE_AT, SLOWER_BELOW)
+    if needed is None:
+        return (f"the measured {median(speedups):.2f}x lies in the {SLOWER_BELOW:.2f}x-{ENABLE_AT:.2f}x "
+                "band, where more prompts will not decide it: the gain, if any, is too small to act on")
+    needed = max(needed, MIN_PROMPTS, prompts + 1)
+    return (f"at the spread seen between prompts (standard deviation of the log speedup {log_spread(speedups):.2f}), "
+            f"about {needed} prompts would decide it ({needed - prompts} more)")
+
+
+def _verdict(row) -> tuple[str, list[str]]:
+    """The verdict from the interval alone, and the reasons that quote it."""
+    _, low, high = _interval(row)
+    prompts = int(row["prompts"])
+    speedups = list(row["prompt_speedups"])
+    if prompts < MIN_PROMPTS:
+        plural = "prompt" if prompts == 1 else "prompts"
+        return "undecided", [f"{prompts} {plural} cannot decide for a workload, whatever the figure: a verdict needs "
+                             f"at least {MIN_PROMPTS}", _more_prompts(speedups, prompts)]
+    if low >= ENABLE_AT:
+        return "enable", [f"the interval's lower bound {_against(low, ENABLE_AT)} clears {ENABLE_AT:.2f}x"]
+    if high < SLOWER_BELOW:
+        return "don't", [f"the interval's upper bound {_against(high, SLOWER_BELOW)} is below {SLOWER_BELOW:.2f}x: "
+                         "speculation is measurably slower than the baseline here"]
+    return "undecided", [f"the interval {low:.2f}x to {high:.2f}x neither clears {ENABLE_AT:.2f}x nor lies below "
+                         f"{SLOWER_BELOW:.2f}x", _more_prompts(speedups, prompts)]
+
+
+def _better_setting(rows: pd.DataFrame, base, sweep_variable: str) -> tuple[pd.Series | None, str | None]:
+    """The sweep value whose interval lies wholly above the default's and clears ENABLE_AT (the highest such), or
+    None with a sentence on the best-looking value when none does."""
+    others = rows[rows["sweep_value"] != base["sweep_value"]]
+    if others.empty:
+        return None, None
+    clear = others[(others["prompts"] >= MIN_PROMPTS) & (others["speedup_low"] > base["speedup_high"])
+                   & (others["speedup_low"] >= ENABLE_AT)]
+    if not clear.empty:
+        return clear.loc[clear["speedup"].idxmax()], None
+    best = others.loc[others["speedup"].idxmax()]
+    if best["speedup"] <= base["speedup"]:
+        return None, None
+    return None, (f"{sweep_variable} = {best['sweep_value']} measured {_ci(best)}, but its interval does not lie "
+                  f"clear above the default's {_ci(base)} (and clear of {ENABLE_AT:.2f}x): not a measured improvement")
+
+
+def _explanations(row, memory: dict | None, verdict: str) -> list[str]:
+    """What explains the figure: drafts, memory, prefill and noise. Never a verdict."""
+    out = []
+    acceptance, length = row.get("acceptance"), row.get("mean_accepted_length")
+    if _known(acceptance):
+        tail = f", mean accepted length {length:.2f} tokens per target pass" if _known(length) else ""
+        out.append(f"acceptance {acceptance:.2f}{tail}")
+        if acceptance < LOW_ACCEPTANCE:
+            out.append(f"acceptance {acceptance:.2f} is low, but the drafts cost little enough that the measured gain "
+                       "stands" if verdict.startswith("enable") else
+                       f"acceptance {acceptance:.2f} is below {LOW_ACCEPTANCE}: the drafter rarely predicts the "
+                       "target's output, which keeps the gain small")
+    method = row.get("method")
+    if method in MODEL_FREE:
+        weights = f" (the target's {memory['needed_gb'] - memory['draft_gb']:.1f} GB alone)" if memory else ""
+        out.append(f"{method} drafting looks its drafts up in the text so far: no draft weights to hold or run{weights}")
+    elif memory and memory.get("draft_gb"):
+        target = memory["needed_gb"] - memory["draft_gb"]
+        if memory["needed_gb"] > memory["available_gb"]:
+            out.append(f"memory: target {target:.1f} GB + draft {memory['draft_gb']:.1f} GB = {memory['needed_gb']:.1f} "
+                       f"GB exceed the {memory['available_gb']:.1f} GB available: the runs above include any swapping")
+        else:
+            out.append(f"memory: target {target:.1f} GB + draft {memory['draft_gb']:.1f} GB fit in "
+                       f"{memory['available_gb']:.1f} GB")
+    share = row.get("prefill_share")
+    if _known(share) and share > PREFILL_HEAVY:
+        out.append(f"prefill takes {100 * share:.0f}% of the time, which speculation cannot shorten: the end-to-end "
+                   "gain stays small")
+    noise = row.get("noise_cv")
+    if not _known(noise):
+        out.append(f"the machine's noise is unmeasured: {int(row['runs'])} runs over {int(row['prompts'])} prompts, "
+                   "no prompt repeated (use 2 or more repeats)")
+    elif noise > NOISY_CV:
+        out.append(f"warning: the machine is noisy: the baseline's tokens/s varied by {100 * noise:.0f}% between "
+                   f"repeats of the same prompt (above {100 * NOISY_CV:.0f}%): quiet the machine, or add prompts")
+    else:
+        out.append(f"the machine's noise: the baseline's tokens/s varied by {100 * noise:.1f}% between repeats of "
+                   "the same prompt")
+    return out
+
+
+def _concurrency(concurrency: pd.DataFrame) -> list[str]:
+    paying = concurrency[concurrency["speedup"] >= ENABLE_AT]
+    if paying.empty:
+        return [f"at concurrency {int(concurrency['concurrency'].min())} already only "
+                f"{concurrency['speedup'].iloc[0]:.2f}x"]
+    top = paying.loc[paying["concurrency"].idxmax()]
+    out = [f"pays up to {int(top['concurrency'])} concurrent requests ({top['speedup']:.2f}x)"]
+    worse = concurrency[concurrency["concurrency"] > top["concurrency"]]
+    if not worse.empty:
+        w = worse.iloc[0]
+        out.append(f"at {int(w['concurrency'])} concurrent requests it gives {w['speedup']:.2f}x")
+    return out
+
+
 def advise(aggregate: pd.DataFrame, sweep_variable: str | None = None, default_value: str = "",
            memory: dict | None = None, concurrency: pd.DataFrame | None = None) -> list[Advice]:
-    """aggregate: workbench.aggregate rows; memory: {"needed_gb", "available_gb", "draft_gb"} for a draft model;
+    """aggregate: workbench.aggregate rows; memory: {"needed_gb", "available_gb", "draft_gb"} of the backend;
     concurrency: workbench.concurrency_sweep rows."""
     out = []
     for category, rows in aggregate.groupby("category", sort=True):
@@ -48,66 +184,39 @@ def advise(aggregate: pd.DataFrame, sweep_variable: str | None = None, default_v
             continue
         base = rows[rows["sweep_value"] == default_value]
         base = (base if not base.empty else rows).iloc[0]
-        best = rows.loc[rows["speedup"].idxmax()]
-        speedup, acceptance = float(base["speedup"]), base["acceptance"]
-        reasons, settings = [], {}
         label = f" at {sweep_variable} = {base['sweep_value']}" if sweep_variable and base["sweep_value"] else ""
-        reasons.append(f"measured median speedup {speedup:.2f}x over {int(base['runs'])} runs{label} "
-                       f"(spread {base['speedup_min']:.2f}x to {base['speedup_max']:.2f}x)")
-        if acceptance is not None and acceptance == acceptance:
-            reasons.append(f"acceptance {acceptance:.2f}, mean accepted length {base['mean_accepted_length']:.2f} "
-                           "tokens per target pass")
-        verdict = None
-        if memory and memory["needed_gb"] > memory["available_gb"]:
-            verdict = "don't"
-            reasons.append(f"the draft needs {memory['draft_gb']:.1f} GB more; target and draft together need "
-                           f"{memory['needed_gb']:.1f} GB but {memory['available_gb']:.1f} GB are available")
-        elif memory and memory["draft_gb"]:
-            reasons.append(f"memory: target {memory['needed_gb'] - memory['draft_gb']:.1f} GB + draft "
-                           f"{memory['draft_gb']:.1f} GB fit in {memory['available_gb']:.1f} GB")
-        elif memory:
-            reasons.append("n-gram drafting needs no second model in memory")
-        expected = speedup
-        if verdict is None and sweep_variable and best["sweep_value"] != base["sweep_value"] \
-                and best["speedup"] >= BETTER_BY * speedup and best["speedup"] >= WORTH_AT:
-            verdict, expected = "enable with these settings", float(best["speedup"])
-            settings[sweep_variable] = best["sweep_value"]
-            reasons.append(f"{sweep_variable} = {best['sweep_value']} measured {best['speedup']:.2f}x against "
-                           f"{speedup:.2f}x")
-        low = acceptance is not None and acceptance == acceptance and acceptance < LOW_ACCEPTANCE
-        if verdict is None:
-            if speedup >= ENABLE_AT:
-                verdict = "enable"
-                if low:
-                    reasons.append(f"acceptance {acceptance:.2f} is low, but the drafts cost little enough that the "
-                                   "measured gain stands")
-            elif speedup < WORTH_AT or low:
-                verdict = "don't"
-                if speedup < WORTH_AT:
-                    reasons.append(f"{speedup:.2f}x is below the {WORTH_AT:.2f}x that pays for running a second model")
-                if low:
-                    reasons.append(f"acceptance {acceptance:.2f} is below {LOW_ACCEPTANCE}: the draft rarely "
-                                   "predicts the target's output")
-            else:
-                verdict = "enable with these settings"
-                settings["K"] = "small (2-3) or dynamic"
-                reasons.append(f"{speedup:.2f}x is a modest gain (below {ENABLE_AT:.1f}x): keep drafts short so "
-                               "that rejected drafts cost little")
-        share = base.get("prefill_share")
-        if share is not None and share == share and share > PREFILL_HEAVY:
-            reasons.append(f"prefill takes {100 * share:.0f}% of the time, which speculation cannot shorten: the "
-                           "end-to-end gain stays small")
+        reasons = [f"median speedup {base['speedup']:.2f}x over {int(base['prompts'])} prompts "
+                   f"({int(base['runs'])} runs){label}, 95 % CI {base['speedup_low']:.2f}x to "
+                   f"{base['speedup_high']:.2f}x"]
+        verdict, why = _verdict(base)
+        reasons += why
+        chosen, settings = base, {}
+        if sweep_variable:
+            better, note = _better_setting(rows, base, sweep_variable)
+            if better is not None:
+                verdict, chosen = "enable with these settings", better
+                settings[sweep_variable] = better["sweep_value"]
+                reasons.append(f"{sweep_variable} = {better['sweep_value']} measured {_ci(better)}, clear above the "
+                               f"default's {_ci(base)}")
+            elif note:
+                reasons.append(note)
+        reasons += _explanations(chosen, memory, verdict)
         if concurrency is not None and not concurrency.empty:
-            paying = concurrency[concurrency["speedup"] >= WORTH_AT]
-            if paying.empty:
-                reasons.append(f"at concurrency {int(concurrency['concurrency'].min())} already only "
-                               f"{concurrency['speedup'].iloc[0]:.2f}x")
-            else:
-                top = paying.loc[paying["concurrency"].idxmax()]
-                reasons.append(f"pays up to {int(top['concurrency'])} concurrent requests ({top['speedup']:.2f}x)")
-                worse = concurrency[concurrency["concurrency"] > top["concurrency"]]
-                if not worse.empty:
-                    w = worse.iloc[0]
-                    reasons.append(f"at {int(w['concurrency'])} concurrent requests it gives {w['speedup']:.2f}x")
-        out.append(Advice(category, verdict, None if verdict == "don't" else expected, reasons, settings))
+            reasons += _concurrency(concurrency)
+        expected = float(chosen["speedup"]) if verdict.startswith("enable") else None
+        out.append(Advice(category, verdict, expected, reasons, settings, _interval(chosen)))
     return out
+
+
+def ab_conclusion(ratio: float, low: float, high: float, prompts: int) -> str:
+    """One line on suite B against suite A from the ratio B/A of their speedups and its 95 % interval."""
+    if prompts < MIN_PROMPTS:
+        return (f"too few prompts to tell ({prompts}; at least {MIN_PROMPTS}): ratio {ratio:.2f} "
+                f"({low:.2f} to {high:.2f})")
+    if low > 1:
+        return (f"B is faster than A by {100 * (ratio - 1):.0f} % "
+                f"(95 % CI {100 * (low - 1):.0f} % to {100 * (high - 1):.0f} %)")
+    if high < 1:
+        return (f"B is slower than A by {100 * (1 - ratio):.0f} % "
+                f"(95 % CI {100 * (1 - high):.0f} % to {100 * (1 - low):.0f} %)")
+    return f"the suites cannot be told apart: ratio {ratio:.2f} ({low:.2f} to {high:.2f})"

@@ -7,6 +7,7 @@ import logging
 import tempfile
 import threading
 import time
+import uuid
 from html import escape
 from pathlib import Path
 
@@ -21,19 +22,25 @@ from specconsole import charts
 from specconsole.export import export_csv
 from specconsole.history import History, HistoryError
 from specconsole.host import ModelHost
-from specconsole.render import figures_html, legend_html, tokens_html
+from specconsole.render import PanelFeed, figures_html, legend_html, panel_notice, tokens_html
 from specconsole.report import ab_chart, figures as suite_figures, write_csvs, write_html
-from specconsole.runner import MODES, Comparison
-from specconsole.suites import categories, load_file, load_suite
-from specconsole.workbench import SWEEPS, advice_for, aggregate, concurrency_sweep, run_suite, runs_frame
+from specconsole.runner import ENGINES, MODES, Comparison
+from specconsole.suites import categories, load_file, load_suite, suite_items, suite_names
+from specconsole.workbench import (SWEEPS, ab_compare, advice_for, aggregate, concurrency_sweep, run_suite,
+                                   runs_frame)
 
 log = logging.getLogger(__name__)
 
-CSS = (Path(__file__).resolve().parent.parent / "assets" / "console.css").read_text()
-PANEL_EVERY_S = 0.1  # token panels: ten updates a second look live
-CHART_EVERY_S = 0.5  # plotly figures are heavy to re-send: twice a second
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+CSS = (ASSETS / "console.css").read_text()
+LIVE_PANEL_JS = (ASSETS / "live_panel.js").read_text()
+# The page must not take the CPU it measures: panels receive only their new tokens, five times a second at most;
+# the figures twice a second; plotly re-lays out a whole chart per update, so charts once a second.
+PANEL_EVERY_S = 0.2
+FIGURES_EVERY_S = 0.5
+CHART_EVERY_S = 1.0
 HISTORY_COLUMNS = ["id", "created", "status", "category", "mode", "method", "speedup", "acceptance", "identical",
-                   "prompt"]
+                   "machine", "prompt"]
 
 
 def _rolling_acceptance(result, window: int = 8) -> float | None:
@@ -66,6 +73,15 @@ def request_from(prompt, max_new, temperature, top_p, seed, method, k, dynamic_k
     )
 
 
+def live_panel(elem_id: str) -> gr.HTML:
+    """A token panel that the Run tab grows in place (assets/live_panel.js): its value is the latest message."""
+    return gr.HTML("", html_template='<div class="live-panel"></div>', js_on_load=LIVE_PANEL_JS, elem_id=elem_id)
+
+
+def _panel_note(result) -> str:
+    return f"{result.finish_reason} · {len(result.output_tokens)} tokens" if result.finish_reason else "running…"
+
+
 def _ids(selected: str | None) -> list[str]:
     return [i.strip() for i in (selected or "").split(",") if i.strip()]
 
@@ -81,15 +97,17 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
     def run(prompt, category, method, k, dynamic_k, confidence, fallback, temperature, top_p, max_new, seed, mode,
             show_rejected, request: gr.Request):
         session = request.session_hash if request else "local"
+        panel_run = uuid.uuid4().hex[:8]  # tells the page's panels that a new run starts
         if not host.ready:
             msg = host.status() if host.error else f"{host.status()}. Press Run again when the models are ready."
-            yield tokens_html([], error=msg), tokens_html([], error=msg), "", gr.skip(), gr.skip(), gr.skip()
+            yield panel_notice(panel_run, msg), panel_notice(panel_run, msg), "", gr.skip(), gr.skip(), gr.skip()
             return
         try:
             req = request_from(prompt, max_new, temperature, top_p, seed, method, k, dynamic_k, confidence, fallback)
             host.backend.prompt_ids(req)  # validate before anything runs or is saved
         except (SettingsError, ModelError, ValueError) as e:
-            yield tokens_html([], error=str(e)), tokens_html([], error=str(e)), "", gr.skip(), gr.skip(), gr.skip()
+            msg = str(e)
+            yield panel_notice(panel_run, msg), panel_notice(panel_run, msg), "", gr.skip(), gr.skip(), gr.skip()
             return
         with host.lock:
             meta = {"method": method, **host.backend.describe(), "category": category}
@@ -98,21 +116,29 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
             comp = Comparison(host.backend, req, mode, history, meta)
             active[session] = comp
             comp.start()
-            last_panel = last_chart = 0.0
+            feeds = {e: PanelFeed(panel_run, show_rejected and e == "speculative") for e in ENGINES}
+            last_panel = last_figures = last_chart = 0.0
             try:
                 while True:
-                    done = comp.poll(timeout=PANEL_EVERY_S / 2)
+                    done = comp.poll(timeout=PANEL_EVERY_S)
                     now = time.monotonic()
-                    if done or now - last_panel >= PANEL_EVERY_S:
-                        last_panel = now
-                        chart = done or now - last_chart >= CHART_EVERY_S
-                        with comp.ui_lock:  # in fair mode: never while an engine's pass is being timed
-                            results = comp.results
-                            html = view(results, comp.comparison(results), mode, show_rejected)
-                            figs = figures_for(results) if chart else (gr.skip(), gr.skip(), gr.skip())
-                        if chart:
-                            last_chart = now
-                        yield (*html, *figs)
+                    if not done and now - last_panel < PANEL_EVERY_S:
+                        continue
+                    figures_due = done or now - last_figures >= FIGURES_EVERY_S
+                    chart_due = done or now - last_chart >= CHART_EVERY_S
+                    with comp.ui_lock:  # in fair mode: never while an engine's pass is being timed
+                        results = comp.results
+                        panels = [feeds[e].message(results[e].tokens, _panel_note(results[e]), results[e].error,
+                                                   final=done) for e in ENGINES]
+                        if figures_due:
+                            s = results["speculative"]
+                            figures = figures_html(results["baseline"], s, comp.comparison(results), mode,
+                                                   _rolling_acceptance(s))
+                        charts = figures_for(results) if chart_due else (gr.skip(),) * 3
+                    last_panel = now
+                    last_figures, last_chart = (now if figures_due else last_figures), (now if chart_due else last_chart)
+                    yield (*[gr.skip() if p is None else p for p in panels],
+                           figures if figures_due else gr.skip(), *charts)
                     if done:
                         break
             finally:
@@ -157,7 +183,8 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
             [[r["id"], (r["created_at"] or "")[:19].replace("T", " "), r["status"], r["category"], r["mode"],
               r["method"], None if r["speedup"] is None else round(r["speedup"], 2),
               None if r["acceptance_rate"] is None else round(r["acceptance_rate"], 2),
-              {1: "yes", 0: "no"}.get(r["identical"], ""), (r["prompt"] or "")[:80]] for r in rows],
+              {1: "yes", 0: "no"}.get(r["identical"], ""), {1: "noisy", 0: "quiet"}.get(r["noisy"], ""),
+              (r["prompt"] or "")[:80]] for r in rows],
             columns=HISTORY_COLUMNS,
         )
 
@@ -207,7 +234,7 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
         conc = concurrency_results.get(suite_id)
         latest = list(concurrency_results.values())[-1] if concurrency_results else None
         advice = advice_for(host.backend, agg, variable, latest)
-        table = agg.drop(columns=["per_position"]).round(3) if not agg.empty else conc
+        table = agg.drop(columns=["per_position", "prompt_speedups"]).round(3) if not agg.empty else conc
         figs = suite_figures(agg if not agg.empty else pd.DataFrame(columns=["category", "sweep_value"]), conc)
         figs += [None] * (4 - len(figs))
         text = "\n\n".join(a.markdown() for a in advice) or (
@@ -215,14 +242,14 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
         return table, *figs[:4], text
 
     def run_suite_ui(cats_chosen, upload, n, max_tokens, variable, values, method, k, dynamic_k, confidence,
-                     fallback, top_p, seed, mode, request: gr.Request):
+                     fallback, top_p, seed, mode, repeats, request: gr.Request):
         session = request.session_hash if request else "local"
         nothing = (gr.skip(),) * 7  # the suite id, the table, four charts and the advice stay as they are
         if not host.ready:
             yield f'<div class="panel-error">{escape(host.status())}</div>', *nothing
             return
         try:
-            items = [item for c in (cats_chosen or []) for item in load_suite(c)[: int(n)]]
+            items = [item for c in (cats_chosen or []) for item in suite_items(c, int(n))]
             if upload:
                 items += load_file(upload)[: int(n)]
             if not items:
@@ -236,7 +263,8 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
             return
         cancel = threading.Event()
         active_suites[session] = cancel
-        progress = {"done": 0, "total": len(items) * (1 if variable == "concurrency" else len(vals)), "what": ""}
+        runs_each = 1 if variable == "concurrency" else len(vals) * int(repeats)
+        progress = {"done": 0, "total": len(items) * runs_each, "what": ""}
         outcome: dict = {}
 
         def work():
@@ -250,7 +278,8 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
                     return
                 meta = {"method": method, **host.backend.describe()}
                 result = run_suite(host.backend, items, base, history, meta, mode, variable, vals, cancel=cancel,
-                                   on_progress=lambda d, t, w: progress.update(done=d, total=t, what=w))
+                                   on_progress=lambda d, t, w: progress.update(done=d, total=t, what=w),
+                                   repeats=int(repeats))
                 outcome["suite_id"], outcome["cancelled"] = result.suite_id, result.cancelled
             except Exception as e:  # noqa: BLE001 - shown in the page
                 log.exception("suite failed")
@@ -310,11 +339,11 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
 
     def compare_suites(a, b):
         if not a or not b:
-            return None, None
-        agg_a, agg_b = aggregate(runs_frame(history, a)), aggregate(runs_frame(history, b))
-        keep = ["category", "sweep_value", "runs", "speedup", "acceptance", "mean_accepted_length", "efficiency"]
-        both = pd.merge(agg_a[keep], agg_b[keep], on=["category", "sweep_value"], how="outer", suffixes=(" A", " B"))
-        return both.round(3), ab_chart(agg_a, agg_b, f"A {a}", f"B {b}")
+            return None, None, ""
+        ab = ab_compare(runs_frame(history, a), runs_frame(history, b))
+        lines = [f"**{r['category']}{' ' + r['sweep_value'] if r['sweep_value'] else ''}**: {escape(r['conclusion'])}"
+                 for _, r in ab.iterrows()]
+        return ab.round(3), ab_chart(ab, f"A {a}", f"B {b}"), "\n\n".join(lines)
 
     # --- layout ----------------------------------------------------------------------------------------------------
 
@@ -323,7 +352,12 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
         gr.Markdown("## SpecConsole — speculative decoding, side by side")
         status = gr.HTML(f'<div class="status-line">{escape(host.status())}</div>', elem_id="model-status")
         timer = gr.Timer(1.0)
-        timer.tick(lambda: f'<div class="status-line">{escape(host.status())}</div>', outputs=status)
+
+        def model_status():  # once the models are ready (or failed), the page stops asking
+            settled = host.ready or host.error is not None
+            return f'<div class="status-line">{escape(host.status())}</div>', gr.Timer(active=not settled)
+
+        timer.tick(model_status, outputs=[status, timer], show_progress="hidden")
 
         with gr.Tab("Run"):
             with gr.Row():
@@ -357,7 +391,8 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
                                                 elem_id="temperature")
                         top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Top-p")
                     with gr.Row():
-                        max_new = gr.Slider(1, MAX_NEW_TOKENS, value=128, step=1, label="Max new tokens")
+                        max_new = gr.Slider(1, MAX_NEW_TOKENS, value=128, step=1, label="Max new tokens",
+                                            elem_id="max-new")
                         seed = gr.Number(value=0, precision=0, label="Seed")
                     with gr.Row():
                         mode = gr.Radio(list(MODES), value="fair", label="Mode",
@@ -367,10 +402,10 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
             with gr.Row(equal_height=True):
                 with gr.Column():
                     gr.Markdown("**Baseline** — target only, one token per pass")
-                    base_panel = gr.HTML(tokens_html([]), elem_id="baseline-panel")
+                    base_panel = live_panel("baseline-panel")
                 with gr.Column():
                     gr.Markdown("**Speculative** — draft proposes, target verifies")
-                    spec_panel = gr.HTML(tokens_html([]), elem_id="speculative-panel")
+                    spec_panel = live_panel("speculative-panel")
             figures = gr.HTML("", elem_id="figures")
             empty = figures_for({})  # also loads plotly's templates now rather than during the first run
             with gr.Row():
@@ -404,11 +439,13 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
             gr.Markdown("Run prompt suites on both engines (settings from the Run tab), sweep one variable, and see "
                         "per category whether speculative decoding pays.")
             with gr.Row():
-                suite_cats = gr.CheckboxGroup(cats, value=["code"], label="Suites", elem_id="suite-categories")
+                suite_cats = gr.CheckboxGroup(suite_names(), value=["code"], label="Suites", elem_id="suite-categories")
                 suite_file = gr.File(label="Or your own suite (JSONL / CSV)", file_types=[".jsonl", ".csv"],
                                      type="filepath")
             with gr.Row():
                 suite_n = gr.Slider(1, 8, value=2, step=1, label="Prompts per suite", elem_id="suite-n")
+                suite_repeats = gr.Slider(1, 5, value=1, step=1, label="Repeats", elem_id="suite-repeats",
+                                          info="per prompt; 2+ measure the noise")
                 suite_tokens = gr.Slider(8, 512, value=64, step=8, label="Max new tokens", elem_id="suite-tokens")
                 sweep_var = gr.Dropdown(list(SWEEPS), value="none", label="Sweep")
                 sweep_vals = gr.Textbox(label="Sweep values (comma-separated; empty: the usual ones)")
@@ -435,11 +472,14 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
                 ab_btn = gr.Button("Compare")
             ab_table = gr.Dataframe(interactive=False)
             ab_plot = gr.Plot()
+            ab_text = gr.Markdown(elem_id="ab-conclusion")
 
         inputs = [prompt, category, method, k, dynamic_k, confidence, fallback, temperature, top_p, max_new, seed,
                   mode, show_rejected]
         outputs = [base_panel, spec_panel, figures, chart_steps, chart_pos, chart_tokens]
-        run_event = run_btn.click(run, inputs, outputs, concurrency_limit=1, concurrency_id="engines")
+        # no progress overlay: its animation would cost the browser CPU during the very run it shows
+        run_event = run_btn.click(run, inputs, outputs, concurrency_limit=1, concurrency_id="engines",
+                                  show_progress="hidden")
         run_event.then(history_table, filter_cat, table)
         stop_btn.click(stop, None, None, concurrency_limit=None)
         category.change(pick_category, category, [example, prompt, temperature])
@@ -459,7 +499,7 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
         export_all.click(lambda s: export(s, True), selected, files)
 
         suite_inputs = [suite_cats, suite_file, suite_n, suite_tokens, sweep_var, sweep_vals, method, k, dynamic_k,
-                        confidence, fallback, top_p, seed, mode]
+                        confidence, fallback, top_p, seed, mode, suite_repeats]
         suite_outputs = [suite_status, suite_id_box, suite_table, suite_speed, suite_acc, suite_lat, suite_conc,
                          advice_md]
         suite_event = suite_btn.click(run_suite_ui, suite_inputs, suite_outputs, concurrency_limit=1,
@@ -468,7 +508,7 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
         suite_stop.click(stop_suite, None, None, concurrency_limit=None)
         export_suite_btn.click(export_suite, suite_id_box, suite_files)
         workbench_tab.select(suite_choices, None, [ab_a, ab_b])
-        ab_btn.click(compare_suites, [ab_a, ab_b], [ab_table, ab_plot])
+        ab_btn.click(compare_suites, [ab_a, ab_b], [ab_table, ab_plot, ab_text])
     return app
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from html import escape
 
 from engine.events import RunResult, TokenEvent, TokenKind
@@ -38,6 +39,40 @@ def tokens_html(tokens: list[TokenEvent], show_rejected: bool = True, error: str
     extra = f'<div class="panel-error">{escape(error)}</div>' if error else ""
     footer = f'<div class="panel-status">{escape(status)}</div>' if status else ""
     return f'<div class="tokens">{body}</div>{extra}{footer}'
+
+
+class PanelFeed:
+    """What one live token panel shows, so that each update sends only the tokens that are new to it.
+
+    The page (assets/live_panel.js) appends the new spans to the ones it has; it re-renders the panel only when
+    tokens it already shows changed kind (a vLLM re-classification at the end of a request) or when it missed a
+    message, which the last message (`final`) repairs from the full HTML it carries."""
+
+    def __init__(self, run: str, show_rejected: bool = True):
+        self.run, self.show_rejected = run, show_rejected
+        self.kinds: list[TokenKind] = []  # the kind of every token sent so far, in order
+        self.footer: tuple = ()
+
+    def message(self, tokens: list[TokenEvent], status: str = "", error: str | None = None,
+                final: bool = False) -> str | None:
+        """The JSON message for the page, or None when the panel would not change."""
+        visible = [t for t in tokens if self.show_rejected or t.kind != TokenKind.REJECTED]
+        reset = any(t.kind != kind for t, kind in zip(visible, self.kinds))
+        start = 0 if reset else len(self.kinds)
+        new = visible[start:]
+        if not (new or reset or final) and (status, error) == self.footer:
+            return None
+        self.kinds, self.footer = [t.kind for t in visible], (status, error)
+        message = {"run": self.run, "start": start, "tokens": [token_span(t) for t in new], "total": len(visible),
+                   "status": status, "error": error, "reset": reset}
+        if final:
+            message["final_html"] = "".join(token_span(t) for t in visible)
+        return json.dumps(message)
+
+
+def panel_notice(run: str, error: str) -> str:
+    """A live panel's message that shows only an error (nothing ran)."""
+    return PanelFeed(run).message([], error=error, final=True)
 
 
 def legend_html() -> str:
@@ -88,6 +123,10 @@ def figures_html(baseline: RunResult | None, speculative: RunResult | None, comp
             ("highlighting", escape(str(s.get("highlighting", "–")))),
         ]
     rows.append(("mode", escape(mode)))
+    if "noisy" in comparison:  # known once the run ended
+        detail = comparison["noise"] if comparison["noisy"] else f"others used {comparison['other_cores']:.2f} cores"
+        rows.append(("machine during the run", f'{"noisy" if comparison["noisy"] else "quiet"}'
+                                               f'<div class="fig-note">{escape(detail)}</div>'))
     cells = "".join(f'<div class="fig"><div class="fig-label">{escape(k)}</div><div class="fig-value">{v}</div></div>'
                     for k, v in rows)
     return f'<div class="figures">{cells}</div><div class="exactness">{exact}</div>'

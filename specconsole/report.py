@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import plotly.graph_objects as go
 
-from specconsole.advisor import Advice
+from specconsole.advisor import ENABLE_AT, Advice
 from specconsole.charts import BLUE, GREY, LAYOUT, ORANGE, PURPLE
 from specconsole.export import neutralise
 
@@ -21,13 +21,16 @@ def speedup_chart(agg: pd.DataFrame) -> go.Figure:
     fig = go.Figure()
     if not agg.empty:
         labels = [_label(r) for _, r in agg.iterrows()]
-        fig.add_bar(x=labels, y=agg["speedup"], name="measured (median)", marker_color=BLUE,
-                    error_y=dict(type="data", symmetric=False, array=agg["speedup_max"] - agg["speedup"],
-                                 arrayminus=agg["speedup"] - agg["speedup_min"]))
+        fig.add_bar(x=labels, y=agg["speedup"], name="median over prompts, 95 % CI", marker_color=BLUE,
+                    error_y=dict(type="data", symmetric=False, array=agg["speedup_high"] - agg["speedup"],
+                                 arrayminus=agg["speedup"] - agg["speedup_low"]))
         fig.add_scatter(x=labels, y=agg["machine_bound"], name="bound on this machine", mode="markers",
                         marker=dict(symbol="diamond", size=11, color=ORANGE))
         fig.add_hline(y=1.0, line_dash="dot", line_color=GREY)
-    fig.update_layout(title="Speedup per category (min-max bars) vs bound", yaxis_title="x baseline", **LAYOUT)
+        fig.add_hline(y=ENABLE_AT, line_dash="dash", line_color=GREY, annotation_text=f"enable at {ENABLE_AT:.2f}x",
+                      annotation_position="top left")
+    fig.update_layout(title="Speedup per category (bars: 95 % bootstrap CI over prompts) vs bound",
+                      yaxis_title="x baseline", **LAYOUT)
     return fig
 
 
@@ -55,12 +58,18 @@ def latency_chart(agg: pd.DataFrame) -> go.Figure:
     return fig
 
 
-def ab_chart(a: pd.DataFrame, b: pd.DataFrame, name_a: str, name_b: str) -> go.Figure:
+def ab_chart(ab: pd.DataFrame, name_a: str, name_b: str) -> go.Figure:
+    """workbench.ab_compare rows: the ratio B/A of the speedups per category, with its 95 % interval."""
     fig = go.Figure()
-    for agg, name, colour in ((a, name_a, BLUE), (b, name_b, ORANGE)):
-        if not agg.empty:
-            fig.add_bar(x=[_label(r) for _, r in agg.iterrows()], y=agg["speedup"], name=name, marker_color=colour)
-    fig.update_layout(title="A/B: median speedup", barmode="group", yaxis_title="x baseline", **LAYOUT)
+    both = ab.dropna(subset=["ratio"]) if not ab.empty else ab
+    if not both.empty:
+        fig.add_bar(x=[_label(r) for _, r in both.iterrows()], y=both["ratio"], name=f"{name_b} / {name_a}",
+                    marker_color=PURPLE, error_y=dict(type="data", symmetric=False,
+                                                      array=both["ratio_high"] - both["ratio"],
+                                                      arrayminus=both["ratio"] - both["ratio_low"]))
+        fig.add_hline(y=1.0, line_dash="dot", line_color=GREY)
+    fig.update_layout(title=f"A/B: speedup of {name_b} relative to {name_a} (bars: 95 % CI)",
+                      yaxis_title="ratio B / A", **LAYOUT)
     return fig
 
 
@@ -97,7 +106,10 @@ def write_html(agg: pd.DataFrame, advice: list[Advice], out: Path, suite_id: str
     for a in advice:
         parts.append(f"<h3>{escape(f'{a.category}: {a.verdict}{a.details()}')}</h3><ul>"
                      + "".join(f"<li>{escape(r)}</li>" for r in a.reasons) + "</ul>")
-    parts.append("<h2>Per category</h2>")
+    parts.append("<h2>Per category</h2><p>speedup: the median over prompts of each prompt's median over its "
+                 "repeats; speedup_low, speedup_high: its 95 % percentile-bootstrap interval over prompts; noise_cv: "
+                 "the baseline's tokens/s coefficient of variation between repeats of one prompt (median over "
+                 "prompts).</p>")
     parts.append(agg.map(neutralise).to_html(index=False, float_format=lambda v: f"{v:.3g}"))
     for i, fig in enumerate(figures(agg, conc)):  # plotly.js is embedded once: the file works offline
         parts.append(fig.to_html(full_html=False, include_plotlyjs=(i == 0)))

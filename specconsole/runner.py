@@ -22,6 +22,7 @@ from dataclasses import asdict
 from engine.events import Event, RunResult, StepRecord
 from engine.metrics import compare, run_metrics
 from specconsole.history import History
+from specconsole.machine import MachineLoad
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +73,13 @@ class LiveRun:
 class Comparison:
     """One request on both engines. start() returns at once; poll() drains the events that have arrived."""
 
-    def __init__(self, backend, request, mode: str, history: History | None, meta: dict):
+    def __init__(self, backend, request, mode: str, history: History | None, meta: dict, first: str = "baseline"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.backend, self.request, self.mode, self.history = backend, request, mode, history
         self.meta = meta
+        # fair mode's turn order: suites alternate it between repeats, so that drift over time cancels
+        self.order = (first, *[e for e in ENGINES if e != first])
         self.cancel = threading.Event()
         self.events: queue.Queue = queue.Queue()
         self.live = {e: LiveRun(e) for e in ENGINES}
@@ -85,10 +88,13 @@ class Comparison:
         self.save_error: str | None = None
         self.ui_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
+        self.load: MachineLoad | None = None
+        self.machine: dict = {}  # other processes' CPU use during the run, once it finished
 
     # --- running ---------------------------------------------------------------------------------------------------
 
     def start(self) -> None:
+        self.load = MachineLoad()
         if self.history is not None:
             self.run_id = self.history.start_run(mode=self.mode, settings=_settings(self.request),
                                                  prompt=self.request.prompt, **self.meta)
@@ -109,7 +115,7 @@ class Comparison:
     def _take_turns(self, until: type) -> None:
         """Run one engine until it yields an event of type `until` (a pass, or the whole run), then the other."""
         clocks = {e: EngineClock() for e in ENGINES}
-        streams = {e: self._stream(e, clocks[e]) for e in ENGINES}
+        streams = {e: self._stream(e, clocks[e]) for e in self.order}
         while streams:
             for engine in list(streams):
                 with self.ui_lock:
@@ -154,6 +160,8 @@ class Comparison:
         except queue.Empty:
             pass
         done = all(r.finished for r in self.live.values())
+        if done and self.load is not None and not self.machine:
+            self.machine = self.load.result()
         if done and not self.saved:
             self._save()
         return done
@@ -164,7 +172,7 @@ class Comparison:
 
     def comparison(self, results: dict[str, RunResult] | None = None) -> dict:
         r = results or self.results
-        return compare(r["baseline"], r["speculative"], self.request.sampling.greedy)
+        return compare(r["baseline"], r["speculative"], self.request.sampling.greedy) | self.machine
 
     @property
     def status(self) -> str:

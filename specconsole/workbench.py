@@ -1,5 +1,9 @@
 """Suites and sweeps: many prompts on both engines, every run saved under one suite id, and the aggregates.
 
+A suite can run each prompt several times (repeats, interleaved, alternating which engine goes first); the
+aggregates count each prompt once, with the median of its repeats, and give the speedup a 95 % bootstrap interval
+over prompts (engine/stats.py), which is what the advisor decides from.
+
 A sweep changes one variable at a time: K (1..8 and dynamic), temperature, drafting method, context length
 (short prompt vs the same prompt after a long document), or, on the vLLM backend, concurrency (parallel requests
 through httpx async, measured as aggregate throughput).
@@ -8,6 +12,7 @@ through httpx async, measured as aggregate throughput).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import threading
@@ -15,7 +20,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from statistics import median
+from statistics import mean, median, stdev
 from typing import Callable
 
 import httpx
@@ -24,10 +29,11 @@ from tqdm import tqdm
 
 from engine.backend import Request
 from engine.models import chat_messages
-from specconsole.advisor import Advice, advise
+from engine.stats import bootstrap_ci, ratio_ci
 from engine.vllm_backend import speculative_config
+from specconsole.advisor import Advice, ab_conclusion, advise
 from specconsole.history import History
-from specconsole.runner import Comparison
+from specconsole.runner import ENGINES, Comparison
 from specconsole.suites import SuitePrompt
 
 log = logging.getLogger(__name__)
@@ -70,16 +76,23 @@ class SuiteRun:
 def run_suite(backend, items: list[SuitePrompt], base: Request, history: History, meta: dict, mode: str = "fair",
               variable: str = "none", values: list[str] | None = None, suite_temperature: bool = True,
               cancel: threading.Event | None = None, on_progress: Callable | None = None,
-              suite_id: str | None = None) -> SuiteRun:
-    """Every prompt (at every sweep value) on both engines, one comparison after the other."""
+              suite_id: str | None = None, repeats: int = 1) -> SuiteRun:
+    """Every prompt (at every sweep value) on both engines, `repeats` times, one comparison after the other.
+
+    Repeats are interleaved (repeat 1 of every prompt, then repeat 2, ...) and the engine that goes first alternates
+    from one repeat to the next and from one prompt to the next, so that drift in the machine's speed (heat, other
+    work) falls on both engines alike instead of on whichever always ran first."""
     if variable == "concurrency":
         raise ValueError("the concurrency sweep runs through concurrency_sweep (vLLM backend)")
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
     values = values or SWEEPS[variable]
     suite = SuiteRun(suite_id or uuid.uuid4().hex[:10])
-    plan = [(item, value) for value in values for item in items]
+    plan = [(item_index, item, value, repeat) for value in values for repeat in range(repeats)
+            for item_index, item in enumerate(items)]
     bar = tqdm(total=len(plan), desc=f"suite {suite.suite_id}", unit="run")
     served = None
-    for i, (item, value) in enumerate(plan):
+    for i, (item_index, item, value, repeat) in enumerate(plan):
         if cancel is not None and cancel.is_set():
             suite.cancelled = True
             break
@@ -88,9 +101,11 @@ def run_suite(backend, items: list[SuitePrompt], base: Request, history: History
             backend.reconfigure(speculative_config(value, base.k, backend.speculative_config.get("model")))
             served = value
         req = request_for(base, item, variable, value, suite_temperature and variable != "temperature")
-        run_meta = meta | {"category": item.category, "suite_id": suite.suite_id,
+        run_meta = meta | {"category": item.category, "suite_id": suite.suite_id, "repeat": repeat,
                            "sweep_variable": None if variable == "none" else variable, "sweep_value": value or None}
-        comp = Comparison(backend, req, mode, history, run_meta)
+        if variable == "method":
+            run_meta["method"] = value  # the advisor weighs n-gram and draft-model drafting differently
+        comp = Comparison(backend, req, mode, history, run_meta, first=ENGINES[(item_index + repeat) % 2])
         comp.start()
         while not comp.poll(0.1):
             if cancel is not None and cancel.is_set():
@@ -98,13 +113,22 @@ def run_suite(backend, items: list[SuitePrompt], base: Request, history: History
         suite.run_ids.append(comp.run_id)
         bar.update(1)
         if on_progress:
-            on_progress(i + 1, len(plan), f"{item.category}: {item.prompt[:60]}")
+            note = f" (repeat {repeat + 1} of {repeats})" if repeats > 1 else ""
+            on_progress(i + 1, len(plan), f"{item.category}{note}: {item.prompt[:60]}")
     bar.close()
     suite.cancelled = suite.cancelled or (cancel is not None and cancel.is_set())
     return suite
 
 
 # --- aggregates --------------------------------------------------------------------------------------------------
+# The statistic is engine/stats.py's: per prompt the median over its repeats, then the median over prompts, with a
+# 95 % bootstrap interval over prompts for the speedup.
+
+
+def _prompt_id(prompt: str, settings: str | None) -> str:
+    """Which suite prompt a run was: its text and earlier turns (the same in every suite, so A/B runs pair up)."""
+    turns = json.loads(settings or "{}").get("earlier_turns") or []
+    return hashlib.sha1(json.dumps([prompt, turns]).encode()).hexdigest()[:10]
 
 
 def runs_frame(history: History, suite_id: str) -> pd.DataFrame:
@@ -116,9 +140,11 @@ def runs_frame(history: History, suite_id: str) -> pd.DataFrame:
         c = json.loads(run["comparison"] or "{}")
         total_ms = 1000 * s["output_tokens"] / s["tokens_per_s"] if s.get("tokens_per_s") else None
         rows.append({
-            "run_id": run["id"], "category": run["category"], "status": run["status"],
-            "sweep_variable": run["sweep_variable"], "sweep_value": run["sweep_value"] or "",
+            "run_id": run["id"], "category": run["category"], "status": run["status"], "method": run["method"],
+            "prompt_id": _prompt_id(run["prompt"] or "", run["settings"]), "prompt": (run["prompt"] or "")[:100],
+            "repeat": run["repeat"], "sweep_variable": run["sweep_variable"], "sweep_value": run["sweep_value"] or "",
             "speedup": c.get("speedup"), "decode_speedup": c.get("decode_speedup"),
+            "baseline_tps": b.get("tokens_per_s"), "speculative_tps": s.get("tokens_per_s"),
             "acceptance": s.get("acceptance_rate"), "alpha": c.get("alpha"),
             "mean_accepted_length": s.get("mean_accepted_length"),
             "per_position": s.get("per_position_acceptance") or [],
@@ -140,29 +166,81 @@ def _med(values) -> float | None:
     return median(values) if values else None
 
 
+def prompt_medians(runs: pd.DataFrame, column: str) -> dict[str, float]:
+    """prompt_id -> the median of `column` over that prompt's repeats (prompts without a value are left out)."""
+    out = {pid: _med(g[column]) for pid, g in runs.groupby("prompt_id", sort=True)}
+    return {pid: v for pid, v in out.items() if v is not None}
+
+
+def _cv(values) -> float | None:
+    """Coefficient of variation (sample standard deviation / mean); None with fewer than two values."""
+    values = _present(values)
+    return stdev(values) / mean(values) if len(values) >= 2 and mean(values) else None
+
+
 def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
-    """Per category (and sweep value): medians with spread, over the completed runs."""
+    """Per category (and sweep value), over the completed runs: the median speedup over prompts with its 95 %
+    bootstrap interval, the other figures as medians over prompts (each prompt's median over its repeats), and the
+    machine's noise: the baseline's tokens/s coefficient of variation over repeats of one prompt (median over
+    prompts; None without repeats)."""
     if runs.empty:
         return pd.DataFrame()
     done = runs[runs["status"] == "completed"]
     rows = []
     for (category, value), g in done.groupby(["category", "sweep_value"], sort=True):
-        speedups = _present(g["speedup"])
+        per_prompt = prompt_medians(g, "speedup")
+        speedups = list(per_prompt.values())
+        point, low, high = bootstrap_ci(speedups) if speedups else (None, None, None)
         positions = [p for p in g["per_position"] if p]
         width = max((len(p) for p in positions), default=0)
+        methods = sorted(set(_present(g["method"])))
+        noise = [_cv(repeats["baseline_tps"]) for _, repeats in g.groupby("prompt_id")]
+        med = lambda column: _med(prompt_medians(g, column).values())  # noqa: E731 - median over prompts
         rows.append({
-            "category": category, "sweep_value": value, "runs": len(g),
-            "speedup": _med(speedups), "speedup_min": min(speedups, default=None),
-            "speedup_max": max(speedups, default=None),
-            "acceptance": _med(g["acceptance"]), "alpha": _med(g["alpha"]),
-            "mean_accepted_length": _med(g["mean_accepted_length"]),
+            "category": category, "sweep_value": value, "method": methods[0] if len(methods) == 1 else ("mixed" if methods else None),
+            "prompts": len(speedups), "runs": len(g),
+            "speedup": point, "speedup_low": low, "speedup_high": high,
+            "speedup_min": min(speedups, default=None), "speedup_max": max(speedups, default=None),
+            "prompt_speedups": [per_prompt[p] for p in sorted(per_prompt)],
+            "noise_cv": _med(noise), "baseline_tps": med("baseline_tps"), "speculative_tps": med("speculative_tps"),
+            "acceptance": med("acceptance"), "alpha": med("alpha"), "mean_accepted_length": med("mean_accepted_length"),
             "per_position": [_med([p[i] for p in positions if len(p) > i]) for i in range(width)],
-            "ttft_ms_baseline": _med(g["ttft_ms_baseline"]), "ttft_ms_speculative": _med(g["ttft_ms_speculative"]),
-            "tpot_ms_baseline": _med(g["tpot_ms_baseline"]), "tpot_ms_speculative": _med(g["tpot_ms_speculative"]),
-            "prefill_share": _med(g["prefill_share"]), "machine_bound": _med(g["machine_bound"]),
-            "efficiency": _med(g["efficiency"]),
+            "ttft_ms_baseline": med("ttft_ms_baseline"), "ttft_ms_speculative": med("ttft_ms_speculative"),
+            "tpot_ms_baseline": med("tpot_ms_baseline"), "tpot_ms_speculative": med("tpot_ms_speculative"),
+            "prefill_share": med("prefill_share"), "machine_bound": med("machine_bound"),
+            "efficiency": med("efficiency"),
             "identical": f"{sum(v is True for v in g['identical'])}/{sum(v is not None for v in g['identical'])}",
         })
+    return pd.DataFrame(rows)
+
+
+def ab_compare(runs_a: pd.DataFrame, runs_b: pd.DataFrame) -> pd.DataFrame:
+    """Per category (and sweep value) of two suites: the ratio B/A of their speedups with its 95 % interval and a
+    one-line conclusion. Paired by prompt where both suites ran the same prompts (each prompt is its own control);
+    otherwise the ratio of the two medians, each suite resampled on its own."""
+    def groups(runs):
+        if runs.empty:
+            return {}
+        done = runs[runs["status"] == "completed"]
+        return {key: prompt_medians(g, "speedup") for key, g in done.groupby(["category", "sweep_value"], sort=True)}
+
+    a, b = groups(runs_a), groups(runs_b)
+    rows = []
+    for key in sorted(set(a) | set(b)):
+        pa, pb = a.get(key, {}), b.get(key, {})
+        row = {"category": key[0], "sweep_value": key[1], "prompts A": len(pa), "prompts B": len(pb),
+               "speedup A": _med(pa.values()), "speedup B": _med(pb.values()),
+               "ratio": None, "ratio_low": None, "ratio_high": None, "paired": False}
+        if not pa or not pb:
+            row["conclusion"] = f"only suite {'A' if pa else 'B'} ran {key[0]}"
+        else:
+            paired = set(pa) == set(pb)
+            ids = sorted(pa)
+            point, low, high = (ratio_ci([pa[i] for i in ids], [pb[i] for i in ids], paired=True) if paired
+                                else ratio_ci(list(pa.values()), list(pb.values()), paired=False))
+            row.update(ratio=point, ratio_low=low, ratio_high=high, paired=paired,
+                       conclusion=ab_conclusion(point, low, high, min(len(pa), len(pb))))
+        rows.append(row)
     return pd.DataFrame(rows)
 
 

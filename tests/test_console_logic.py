@@ -145,3 +145,70 @@ def test_delete(tmp_path):
     history.delete([gone])
     assert [r["id"] for r in history.runs()] == [keep]
     assert sqlite3.connect(tmp_path / "h.db").execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def _tok(kind: TokenKind, text: str, index: int) -> TokenEvent:
+    return TokenEvent(kind, index, text, 1, index, 0.1, index)
+
+
+def test_live_panel_sends_only_new_tokens():
+    """Each update carries the tokens the page has not got yet; a re-classification re-sends the panel once."""
+    import json
+
+    from specconsole.render import PanelFeed
+
+    feed = PanelFeed("run1")
+    toks = [_tok(TokenKind.PENDING, "<b>", 0), _tok(TokenKind.PENDING, "x", 1)]
+    first = json.loads(feed.message(toks, "running…"))
+    assert first["start"] == 0 and len(first["tokens"]) == 2 and not first["reset"]
+    assert "&lt;b&gt;" in first["tokens"][0] and "<b>" not in first["tokens"][0]
+    assert feed.message(toks, "running…") is None  # nothing new: no message at all
+    toks.append(_tok(TokenKind.PENDING, "y", 2))
+    second = json.loads(feed.message(toks, "running…"))
+    assert second["start"] == 2 and len(second["tokens"]) == 1 and second["total"] == 3
+    # the end of a vLLM request classifies the pending tokens: the panel is re-sent once, from the start
+    done = [_tok(TokenKind.ACCEPTED, t.text, i) for i, t in enumerate(toks)]
+    final = json.loads(feed.message(done, "length · 3 tokens", final=True))
+    assert final["reset"] and final["start"] == 0 and len(final["tokens"]) == 3
+    assert final["final_html"] == "".join(final["tokens"])
+
+
+def test_live_panel_hides_rejected_drafts_when_asked():
+    import json
+
+    from specconsole.render import PanelFeed
+
+    toks = [_tok(TokenKind.ACCEPTED, "a", 0), _tok(TokenKind.REJECTED, "b", 1), _tok(TokenKind.RECOVERED, "c", 2)]
+    shown = json.loads(PanelFeed("r", show_rejected=False).message(toks))
+    assert shown["total"] == 2 and not any("rejected" in t for t in shown["tokens"])
+    assert json.loads(PanelFeed("r").message(toks))["total"] == 3
+
+
+def test_busy_machine_marks_the_run_noisy():
+    """Another process that takes a core during the run makes its timings suspect, and the figures say so."""
+    import subprocess
+    import sys
+    import time
+
+    from specconsole.machine import MachineLoad
+
+    load = MachineLoad()
+    hog = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass"])
+    hog.wait()
+    time.sleep(0.05)
+    result = load.result()
+    assert result["noisy"] and result["other_cores"] > 0.5, result
+    assert "other processes used" in result["noise"]
+    html = figures_html(None, None, result, "fair", None)
+    assert "machine during the run" in html and "noisy" in html
+
+
+def test_noisy_flag_is_saved_and_exported(backend, tmp_path):
+    history = History(tmp_path / "h.db")
+    req = Request(prompt="hello", max_new_tokens=8, method="draft", k=2)
+    comp = run_to_end(Comparison(backend, req, "fair", history, {"category": "chat"}))
+    c = comp.comparison()
+    assert {"noisy", "other_cores", "load_average"} <= c.keys()
+    assert history.run(comp.run_id)["noisy"] == int(c["noisy"])
+    summary, _ = export_csv(history, tmp_path / "csv")
+    assert pd.read_csv(summary).loc[0, "noisy"] == int(c["noisy"])

@@ -8,11 +8,12 @@ import pandas as pd
 import pytest
 
 from engine.backend import Request
-from specconsole.advisor import advise
+from engine.stats import bootstrap_ci
+from specconsole.advisor import ab_conclusion, advise
 from specconsole.history import History
-from specconsole.report import write_csvs, write_html
+from specconsole.report import ab_chart, speedup_chart, write_csvs, write_html
 from specconsole.suites import SuitePrompt, categories, load_file, load_suite
-from specconsole.workbench import aggregate, request_for, run_suite, runs_frame
+from specconsole.workbench import ab_compare, aggregate, request_for, run_suite, runs_frame
 
 ITEMS = [SuitePrompt("code", "def add(a, b):"), SuitePrompt("code", "print('hello')"),
          SuitePrompt("chat", "hi there", 0.7, (("user", "hello"), ("assistant", "hi!")))]
@@ -60,11 +61,15 @@ def test_suite_saves_every_run_and_aggregates_match(backend, tmp_path):
     agg = aggregate(runs)
     code_k3 = agg[(agg["category"] == "code") & (agg["sweep_value"] == "3")].iloc[0]
     stored = [json.loads(r["comparison"])["speedup"] for r in rows if r["category"] == "code" and r["sweep_value"] == "3"]
-    assert code_k3["runs"] == 2 and code_k3["speedup"] == pytest.approx(median(stored))
-    assert code_k3["speedup_min"] == pytest.approx(min(stored)) and code_k3["identical"] == "2/2"
+    assert code_k3["runs"] == 2 and code_k3["prompts"] == 2 and code_k3["speedup"] == pytest.approx(median(stored))
+    # two prompts: the 95 % interval spans both (engine/stats.py), and without repeats the noise is unmeasured
+    assert (code_k3["speedup_low"], code_k3["speedup_high"]) == pytest.approx((min(stored), max(stored)))
+    assert code_k3["identical"] == "2/2" and code_k3["noise_cv"] is None
 
     paths = write_csvs(runs, agg, tmp_path / "out" / f"suite_{suite.suite_id}.csv")
-    assert len(pd.read_csv(paths[0])) == 6 and len(pd.read_csv(paths[1])) == 4
+    assert len(pd.read_csv(paths[0])) == 6
+    categories_csv = pd.read_csv(paths[1])
+    assert len(categories_csv) == 4 and {"speedup_low", "speedup_high", "prompts", "noise_cv"} <= set(categories_csv)
     html = write_html(agg, advise(agg, "k"), tmp_path / "r.html", suite.suite_id).read_text()
     # plotly.js is embedded, not fetched: the report works offline
     assert "Advice" in html and "Plotly.newPlot" in html and len(html) > 1_000_000
@@ -87,55 +92,201 @@ def test_cancel_keeps_completed_runs(backend, tmp_path):
     assert [r["status"] for r in history.runs(suite_id=suite.suite_id)] == ["completed", "completed"]
 
 
-def agg_rows(*rows):
-    base = {"sweep_value": "", "runs": 5, "speedup_min": 0.0, "speedup_max": 9.0, "mean_accepted_length": 2.0,
-            "prefill_share": 0.1, "per_position": []}
-    return pd.DataFrame([base | r for r in rows])
+class FirstMover:
+    """A backend wrapper that records which engine each comparison started first (fair mode takes turns)."""
+
+    def __init__(self, inner):
+        self.inner, self.started = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def baseline(self, *args):
+        return self._recorded("baseline", self.inner.baseline(*args))
+
+    def speculative(self, *args):
+        return self._recorded("speculative", self.inner.speculative(*args))
+
+    def _recorded(self, engine, events):
+        self.started.append(engine)  # runs at the first next(): when this engine takes its first turn
+        yield from events
 
 
-def test_advisor_low_acceptance_says_dont():
-    [a] = advise(agg_rows({"category": "creative", "speedup": 0.9, "acceptance": 0.3}))
+def test_repeats_are_interleaved_and_alternate_the_first_engine(backend, tmp_path):
+    history = History(tmp_path / "h.db")
+    recorder = FirstMover(backend)
+    suite = run_suite(recorder, ITEMS[:2], Request(prompt="-", max_new_tokens=8, k=2), history, {"method": "draft"},
+                      repeats=2)
+    assert len(suite.run_ids) == 4
+    rows = list(reversed(history.runs(suite_id=suite.suite_id)))  # in the order they ran
+    assert [(r["prompt"], r["repeat"]) for r in rows] == [(ITEMS[0].prompt, 0), (ITEMS[1].prompt, 0),
+                                                          (ITEMS[0].prompt, 1), (ITEMS[1].prompt, 1)]
+    first = recorder.started[::2]  # each comparison starts both engines; the first of each pair went first
+    assert sorted(recorder.started[1::2] + first) == sorted(recorder.started)
+    assert first == ["baseline", "speculative", "speculative", "baseline"]  # each prompt once in each order
+
+    agg = aggregate(runs_frame(history, suite.suite_id))
+    [code] = agg.to_dict("records")
+    assert code["prompts"] == 2 and code["runs"] == 4 and code["noise_cv"] is not None and code["noise_cv"] >= 0
+
+
+RUN = {"status": "completed", "sweep_variable": None, "sweep_value": "", "method": "draft", "repeat": 0,
+       "decode_speedup": None, "baseline_tps": 10.0, "speculative_tps": None, "acceptance": 0.7, "alpha": 0.7,
+       "mean_accepted_length": 2.0, "per_position": [], "ttft_ms_baseline": 50.0, "ttft_ms_speculative": 55.0,
+       "tpot_ms_baseline": 100.0, "tpot_ms_speculative": 60.0, "prefill_share": 0.1, "machine_bound": 2.0,
+       "efficiency": 1.0, "identical": True}
+
+
+def runs_of(category: str, speedups, sweep_value: str = "", repeats: int = 1, baseline_tps=(10.0,), **figures):
+    """Synthetic stored runs: prompt i has speedups[i] in every repeat; the baseline's tok/s cycle through
+    baseline_tps over the repeats."""
+    return pd.DataFrame([RUN | {"category": category, "sweep_value": sweep_value, "prompt_id": f"{category}-{i}",
+                                "repeat": r, "speedup": s, "baseline_tps": baseline_tps[r % len(baseline_tps)]} | figures
+                         for i, s in enumerate(speedups) for r in range(repeats)])
+
+
+def agg_of(*frames) -> pd.DataFrame:
+    return aggregate(pd.concat(frames, ignore_index=True))
+
+
+def test_aggregate_takes_the_median_of_repeats_then_over_prompts():
+    runs = pd.DataFrame([RUN | {"category": "code", "prompt_id": p, "repeat": r, "speedup": s, "baseline_tps": t}
+                         for p, r, s, t in [("a", 0, 1.0, 10.0), ("a", 1, 1.2, 12.0), ("b", 0, 2.0, 10.0),
+                                            ("b", 1, 2.0, 10.0), ("c", 0, 1.5, 11.0)]]
+                        + [RUN | {"category": "code", "prompt_id": "d", "status": "failed", "speedup": 9.0}])
+    [row] = aggregate(runs).to_dict("records")
+    # per prompt: a 1.1, b 2.0, c 1.5; the failed run does not count
+    assert row["prompts"] == 3 and row["runs"] == 5 and row["prompt_speedups"] == pytest.approx([1.1, 2.0, 1.5])
+    assert (row["speedup"], row["speedup_low"], row["speedup_high"]) == pytest.approx(bootstrap_ci([1.1, 2.0, 1.5]))
+    assert row["speedup_min"] == pytest.approx(1.1) and row["speedup_max"] == pytest.approx(2.0)
+    # noise: the baseline's tok/s CV per repeated prompt (a: stdev 1.414 / mean 11; b: 0), median over those
+    assert row["noise_cv"] == pytest.approx((2 ** 0.5 / 11 + 0.0) / 2)
+    assert row["baseline_tps"] == pytest.approx(11.0)  # the median of a's 11, b's 10 and c's 11
+
+
+def one(agg, **kw):
+    [a] = advise(agg, **kw)
+    return a
+
+
+def test_advisor_two_prompts_are_undecided_with_a_prompt_count():
+    # the issue's case: 0.96x and 1.42x with n-gram drafting and low acceptance used to say "don't"
+    a = one(agg_of(runs_of("code", [0.96, 1.42], method="ngram", acceptance=0.3)))
+    text = a.markdown()
+    assert a.verdict == "undecided" and a.expected_speedup is None
+    assert "95 % CI 0.96x to 1.42x" in text and "2 prompts cannot decide" in text
+    assert "about 19 prompts would decide it (17 more)" in text  # tests/test_stats.py works the 19 out by hand
+    assert "acceptance 0.30 is below 0.4" in text  # an explanation, not the verdict
+    assert "second model" not in text
+    # fewer than 3 prompts stay undecided whatever the point estimate
+    assert one(agg_of(runs_of("code", [2.0, 2.1]))).verdict == "undecided"
+    assert one(agg_of(runs_of("code", [0.5, 0.6]))).verdict == "undecided"
+
+
+def test_advisor_enables_a_clear_gain():
+    a = one(agg_of(runs_of("code", [1.8, 1.9, 2.0, 2.0, 2.1, 2.1, 2.2, 2.3])))
+    assert a.verdict == "enable" and a.expected_speedup == pytest.approx(2.05)
+    assert a.interval[1] >= 1.05 and f"lower bound {a.interval[1]:.2f}x clears 1.05x" in a.markdown()
+    assert "median speedup 2.05x over 8 prompts (8 runs)" in a.reasons[0]
+
+
+def test_advisor_says_dont_when_measurably_slower():
+    a = one(agg_of(runs_of("creative", [0.75, 0.78, 0.8, 0.8, 0.82, 0.83, 0.85, 0.86])))
     assert a.verdict == "don't" and a.expected_speedup is None
-    text = " ".join(a.reasons)
-    assert "0.90x" in text and "acceptance 0.30" in text
+    assert f"upper bound {a.interval[2]:.2f}x is below 1.00x" in a.markdown()
 
 
-def test_advisor_marginal_gain_with_poor_drafts_says_dont_and_good_gain_overrides():
-    [a] = advise(agg_rows({"category": "chat", "speedup": 1.1, "acceptance": 0.3}))
-    assert a.verdict == "don't" and any("acceptance 0.30 is below 0.4" in r for r in a.reasons)
-    [b] = advise(agg_rows({"category": "rag", "speedup": 1.4, "acceptance": 0.3}))  # cheap n-gram drafts
-    assert b.verdict == "enable" and any("acceptance 0.30 is low" in r for r in b.reasons)
-    [c] = advise(agg_rows({"category": "chat", "speedup": 1.1, "acceptance": 0.7}))
-    assert c.verdict == "enable with these settings" and "K" in c.settings
+def test_advisor_undecided_says_how_many_prompts_or_that_none_will_do():
+    a = one(agg_of(runs_of("chat", [0.85, 0.95, 1.05, 1.15, 1.25, 1.35, 1.45, 1.6])))
+    assert a.verdict == "undecided" and "neither clears 1.05x nor lies below 1.00x" in a.markdown()
+    assert "prompts would decide it" in a.markdown()
+    b = one(agg_of(runs_of("chat", [0.9, 0.95, 1.0, 1.02, 1.03, 1.08, 1.1, 1.15])))
+    assert b.verdict == "undecided" and "band, where more prompts will not decide it" in b.markdown()
 
 
-def test_advisor_enables_structured_output():
-    [a] = advise(agg_rows({"category": "code", "speedup": 2.1, "acceptance": 0.85}))
-    assert a.verdict == "enable" and a.expected_speedup == pytest.approx(2.1) and "2.10x" in a.reasons[0]
+def test_explanations_never_override_the_interval():
+    clear = [1.3, 1.35, 1.4, 1.4, 1.45, 1.5]
+    a = one(agg_of(runs_of("rag", clear, acceptance=0.3, prefill_share=0.7)),
+            memory={"needed_gb": 30.0, "available_gb": 24.0, "draft_gb": 2.0})
+    assert a.verdict == "enable"
+    text = a.markdown()
+    assert "acceptance 0.30 is low, but" in text and "exceed the 24.0 GB available" in text
+    assert "prefill takes 70%" in text
+    conc = pd.DataFrame({"concurrency": [1, 4, 16], "speedup": [1.8, 1.2, 0.8]})
+    b = one(agg_of(runs_of("rag", clear)), concurrency=conc)
+    assert b.verdict == "enable"
+    assert "pays up to 4 concurrent requests (1.20x)" in b.markdown()
+    assert "at 16 concurrent requests it gives 0.80x" in b.markdown()
 
 
-def test_advisor_recommends_the_better_sweep_value():
-    rows = agg_rows({"category": "code", "sweep_value": "4", "speedup": 1.5, "acceptance": 0.8},
-                    {"category": "code", "sweep_value": "8", "speedup": 2.0, "acceptance": 0.8})
-    [a] = advise(rows, "k", default_value="4")
-    assert a.verdict == "enable with these settings" and a.settings == {"k": "8"}
-    assert any("2.00x against 1.50x" in r for r in a.reasons)
+def test_ngram_never_cites_a_second_model():
+    memory = {"needed_gb": 8.0, "available_gb": 24.0, "draft_gb": 2.0}  # a draft is loaded, but n-gram does not use it
+    for speedups in ([0.96, 1.42], [2.0, 2.1, 2.2, 2.3], [0.7, 0.75, 0.8], [1.0, 1.02, 1.04]):
+        text = one(agg_of(runs_of("code", speedups, method="ngram", acceptance=0.2)), memory=memory).markdown()
+        assert "second model" not in text and "draft 2.0 GB" not in text
+        assert "ngram drafting looks its drafts up" in text and "6.0 GB alone" in text
+    drafted = one(agg_of(runs_of("code", [2.0, 2.1, 2.2], method="draft")), memory=memory).markdown()
+    assert "target 6.0 GB + draft 2.0 GB fit in 24.0 GB" in drafted
+
+
+def test_noise_warning_above_ten_percent():
+    quiet = one(agg_of(runs_of("code", [1.5, 1.6, 1.7], repeats=2, baseline_tps=(10.0, 10.2)))).markdown()
+    assert "varied by 1.4% between repeats" in quiet and "warning" not in quiet
+    noisy = one(agg_of(runs_of("code", [1.5, 1.6, 1.7], repeats=2, baseline_tps=(10.0, 13.0)))).markdown()
+    assert "warning: the machine is noisy" in noisy and "varied by 18%" in noisy
+    assert "noise is unmeasured" in one(agg_of(runs_of("code", [1.5, 1.6, 1.7]))).markdown()
+
+
+def test_enable_with_settings_needs_a_separated_interval():
+    default = runs_of("code", [1.4, 1.45, 1.5, 1.5, 1.55, 1.6], "4")
+    overlapping = runs_of("code", [1.45, 1.55, 1.6, 1.65, 1.7, 1.8], "8")
+    a = one(agg_of(default, overlapping), sweep_variable="k", default_value="4")
+    assert a.verdict == "enable" and a.settings == {} and a.expected_speedup == pytest.approx(1.5)
+    assert any("k = 8 measured 1.62x" in r and "not a measured improvement" in r for r in a.reasons)
+    separated = runs_of("code", [2.0, 2.05, 2.1, 2.1, 2.15, 2.2], "8")
+    b = one(agg_of(default, separated), sweep_variable="k", default_value="4")
+    assert b.verdict == "enable with these settings" and b.settings == {"k": "8"}
+    assert b.expected_speedup == pytest.approx(2.1) and b.interval[1] > 1.6
+    assert any("k = 8 measured 2.10x" in r and "clear above the default's 1.50x" in r for r in b.reasons)
+    # a setting that is separated from a slow default but does not itself clear 1.05x is not recommended
+    slow = runs_of("code", [0.7, 0.72, 0.74, 0.75, 0.76, 0.78], "1")
+    barely = runs_of("code", [0.98, 1.0, 1.01, 1.02, 1.03, 1.04], "2")
+    c = one(agg_of(slow, barely), sweep_variable="k", default_value="1")
+    assert c.verdict == "don't" and c.settings == {}
 
 
 def test_memory_figures_of_a_backend(backend):
     memory = backend.memory()
     assert memory["target_gb"] > 0 and memory["draft_gb"] > 0 and memory["available_gb"] > memory["needed_gb"]
-    [a] = advise(agg_rows({"category": "code", "speedup": 2.0, "acceptance": 0.8}), memory=memory)
+    a = one(agg_of(runs_of("code", [2.0, 2.1, 2.2])), memory=memory)
     assert a.verdict == "enable" and any("fit in" in r for r in a.reasons)
 
 
-def test_advisor_memory_and_prefill_and_concurrency():
-    rows = agg_rows({"category": "rag", "speedup": 1.6, "acceptance": 0.7, "prefill_share": 0.7})
-    [a] = advise(rows, memory={"needed_gb": 30.0, "available_gb": 24.0, "draft_gb": 2.0})
-    assert a.verdict == "don't" and any("24.0 GB are available" in r for r in a.reasons)
-    assert any("prefill takes 70%" in r for r in a.reasons)
-    conc = pd.DataFrame({"concurrency": [1, 4, 16], "speedup": [1.8, 1.2, 0.8]})
-    [b] = advise(rows, concurrency=conc)
-    assert b.verdict == "enable"
-    assert any("pays up to 4 concurrent requests (1.20x)" in r for r in b.reasons)
-    assert any("at 16 concurrent requests it gives 0.80x" in r for r in b.reasons)
+def test_ab_paired_by_prompt_and_independent_otherwise():
+    speedups = [1.2, 1.5, 1.8, 2.0, 2.4, 3.0]
+    a = runs_of("code", speedups)
+    faster = runs_of("code", [1.1 * s for s in speedups])  # the same prompts, each 10 % faster
+    [row] = ab_compare(a, faster).to_dict("records")
+    assert row["paired"] and (row["ratio"], row["ratio_low"], row["ratio_high"]) == pytest.approx((1.1, 1.1, 1.1))
+    assert row["conclusion"] == "B is faster than A by 10 % (95 % CI 10 % to 10 %)"
+    # other prompts with the same spread: resampled independently, the spread between prompts hides the 10 %
+    other = runs_of("code", [1.1 * s for s in reversed(speedups)]).assign(prompt_id=lambda f: "x" + f["prompt_id"])
+    [row] = ab_compare(a, other).to_dict("records")
+    assert not row["paired"] and row["ratio"] == pytest.approx(1.1) and row["ratio_low"] < 1 < row["ratio_high"]
+    assert row["conclusion"].startswith("the suites cannot be told apart: ratio 1.10 (")
+    [only_a, slower] = ab_compare(pd.concat([a, runs_of("chat", speedups)]),
+                                  runs_of("code", [0.8 * s for s in speedups])).to_dict("records")  # sorted
+    assert slower["conclusion"] == "B is slower than A by 20 % (95 % CI 20 % to 20 %)"
+    assert only_a["category"] == "chat" and only_a["conclusion"] == "only suite A ran chat"
+    assert ab_conclusion(1.3, 1.2, 1.4, 2).startswith("too few prompts to tell (2; at least 3)")
+
+
+def test_charts_draw_the_intervals():
+    agg = agg_of(runs_of("code", [1.2, 1.5, 1.9]))
+    bars = speedup_chart(agg).data[0]
+    assert list(bars.error_y.array) == pytest.approx(list(agg["speedup_high"] - agg["speedup"]))
+    assert list(bars.error_y.arrayminus) == pytest.approx(list(agg["speedup"] - agg["speedup_low"]))
+    ab = ab_compare(runs_of("code", [1.2, 1.5, 1.9]), runs_of("code", [1.3, 1.5, 2.2]))
+    bars = ab_chart(ab, "A", "B").data[0]
+    assert list(bars.y) == pytest.approx(list(ab["ratio"]))
+    assert list(bars.error_y.array) == pytest.approx(list(ab["ratio_high"] - ab["ratio"]))

@@ -1,0 +1,37 @@
+// A token panel that grows in place. The server sends one small JSON message per update (props.value):
+//   {run, start, tokens: [span html...], total, status, error, reset, final_html}
+// New token spans are appended; spans already shown are never re-created. `reset` (a re-classification) and a
+// missed message (start beyond what is shown, repaired by the last message's final_html) re-render once.
+const root = element.querySelector('.live-panel');
+let run = null, shown = 0;
+
+function fresh() {
+  root.innerHTML = '<div class="tokens"><span class="placeholder">waiting for tokens…</span></div>'
+    + '<div class="panel-error" hidden></div><div class="panel-status"></div>';
+  shown = 0;
+}
+
+function apply() {
+  if (!props.value) return;
+  const m = JSON.parse(props.value);
+  if (m.run !== run || m.reset) { fresh(); run = m.run; }
+  const box = root.querySelector('.tokens');
+  if (m.start <= shown) {
+    const add = m.tokens.slice(shown - m.start);
+    if (add.length) {
+      if (shown === 0) box.textContent = '';
+      box.insertAdjacentHTML('beforeend', add.join(''));
+      shown = m.start + m.tokens.length;
+    }
+  }
+  if (m.final_html !== undefined && shown !== m.total) { box.innerHTML = m.final_html; shown = m.total; }
+  const error = root.querySelector('.panel-error');
+  error.hidden = !m.error;
+  error.textContent = m.error || '';
+  root.querySelector('.panel-status').textContent = m.status || '';
+  if (m.start + m.tokens.length > 0) box.scrollTop = box.scrollHeight;
+}
+
+fresh();
+watch('value', apply);
+apply();

@@ -1,0 +1,187 @@
+"""What the page costs: the engines in the browser against the same request through the backend API.
+
+    python -m benchmarks.page [--preset qwen-coder] [--runs 3] [--max-new-tokens 32]
+
+Phase 1 starts the console (launch.py) on a free loopback port with a fresh history file, lets Debian's Chromium
+show the page and run the same comparison `--runs` times (after one warm-up run), and measures each run: the
+browser's CPU seconds per wall second (all its processes), the console process's, and the engines' tokens/s as
+the console saved them. Phase 2 stops the console and runs the same request `--runs` times through the backend
+API in this process (specconsole.runner.Comparison, fair mode, no page). Both phases load the models once each
+(two copies of the default preset would not fit in 24 GB). Prints medians and the ratios page / API; nothing
+here is a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+import socket
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = "/usr/bin/chromium"
+PROMPT = "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring."
+log = logging.getLogger("benchmarks.page")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_seconds(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def browser_processes(console_pid: int) -> list[psutil.Process]:
+    """Chromium's processes: our descendants, without the console and its children."""
+    skip = {console_pid} | {c.pid for c in psutil.Process(console_pid).children(recursive=True)}
+    return [p for p in psutil.Process().children(recursive=True) if p.pid not in skip and "chrom" in p.name()]
+
+
+def machine() -> str:
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    return f"{os.cpu_count()} cores, {model}"
+
+
+def page_phase(args) -> list[dict]:
+    from playwright.sync_api import sync_playwright
+
+    db = Path(tempfile.mkdtemp(prefix="specconsole-page-")) / "history.db"
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False")
+    console = subprocess.Popen([sys.executable, "launch.py", "--preset", args.preset, "--port", str(port),
+                                "--db", str(db)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    runs = []
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                         args=["--no-sandbox", "--disable-gpu", "--no-first-run"])
+            page = browser.new_page(viewport={"width": 1500, "height": 1400})
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    page.goto(f"http://127.0.0.1:{port}/")
+                    break
+                except Exception:  # noqa: BLE001 - the server is still starting
+                    if time.monotonic() > deadline or console.poll() is not None:
+                        raise
+                    time.sleep(1)
+            page.wait_for_selector("#model-status:has-text('Ready')", timeout=args.load_timeout * 1000)
+            page.fill("#prompt textarea", PROMPT)
+            for selector, value in (("#temperature", "0"), ("#max-new", str(args.max_new_tokens))):
+                box = page.locator(f"{selector} input[type=number]")
+                box.fill(value)
+                box.press("Enter")
+            console_proc = psutil.Process(console.pid)
+            for i in range(args.runs + 1):  # the first run is a warm-up
+                browser_procs = browser_processes(console.pid)
+                b0, c0, t0 = cpu_seconds(browser_procs), cpu_seconds([console_proc]), time.perf_counter()
+                page.click("#run")
+                page.wait_for_selector("#figures:has-text('machine during the run')", timeout=600_000)
+                wall = time.perf_counter() - t0
+                b1, c1 = cpu_seconds(browser_processes(console.pid)), cpu_seconds([console_proc])
+                row = _latest_run(db)
+                row |= {"browser_cores": (b1 - b0) / wall, "console_cores": (c1 - c0) / wall, "wall_s": wall}
+                log.info("page run %d%s: %s", i, " (warm-up)" if i == 0 else "",
+                         {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
+                if i:
+                    runs.append(row)
+                # the figures box is re-rendered by the next run; wait for the old text to go first
+                page.evaluate("document.querySelector('#figures').innerHTML = ''")
+            browser.close()
+    finally:
+        console.terminate()
+        console.wait(60)
+    return runs
+
+
+def _latest_run(db: Path) -> dict:
+    conn = sqlite3.connect(db)
+    conn.row_factory = sqlite3.Row
+    deadline = time.monotonic() + 30
+    while True:  # the page shows the end a moment before the row is written
+        row = conn.execute("SELECT * FROM runs ORDER BY created_at DESC, rowid DESC LIMIT 1").fetchone()
+        if row is not None and row["status"] != "running" or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    conn.close()
+    return {"baseline_tps": row["baseline_tps"], "speculative_tps": row["speculative_tps"], "status": row["status"],
+            "noisy": row["noisy"]}
+
+
+def api_phase(args) -> list[dict]:
+    from engine.backend import LocalBackend
+    from engine.models import PRESETS
+    from specconsole.app import request_from
+    from specconsole.runner import Comparison
+
+    backend = LocalBackend.from_preset(args.preset)
+    req = request_from(PROMPT, args.max_new_tokens, 0.0, 1.0, 0, PRESETS[args.preset].method, 4, True, 0.4, False)
+    runs = []
+    for i in range(args.runs + 1):
+        comp = Comparison(backend, req, "fair", None, {})
+        comp.start()
+        while not comp.poll(0.2):
+            pass
+        r = comp.results
+        row = {"baseline_tps": r["baseline"].metrics["tokens_per_s"],
+               "speculative_tps": r["speculative"].metrics["tokens_per_s"], "noisy": comp.machine.get("noisy")}
+        log.info("API run %d%s: %s", i, " (warm-up)" if i == 0 else "", row)
+        if i:
+            runs.append(row)
+    return runs
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", default="qwen-coder")
+    p.add_argument("--runs", type=int, default=3, help="measured runs per phase (after one warm-up each)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--load-timeout", type=int, default=900, help="seconds to wait for the models in the page")
+    args = p.parse_args(argv)
+    if not os.path.exists(CHROMIUM):
+        log.error("needs Debian's chromium at %s (bash .ci/setup test installs it)", CHROMIUM)
+        return 2
+
+    page = page_phase(args)
+    api = api_phase(args)
+    med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
+    out = sys.stdout
+    out.write(f"\npage cost: preset {args.preset}, {args.max_new_tokens} new tokens, greedy, fair mode, medians of "
+              f"{args.runs} runs per phase after a warm-up; machine: {machine()}; {time.strftime('%Y-%m-%d')}\n")
+    out.write("| figure | page | API | page / API |\n| --- | --- | --- | --- |\n")
+    out.write(f"| browser CPU during a run (cores) | {med(page, 'browser_cores'):.3f} | – | – |\n")
+    out.write(f"| console process CPU during a run (cores) | {med(page, 'console_cores'):.2f} | – | – |\n")
+    for key, name in (("baseline_tps", "baseline tok/s"), ("speculative_tps", "speculative tok/s")):
+        a, b = med(page, key), med(api, key)
+        out.write(f"| {name} | {a:.2f} | {b:.2f} | {a / b:.2f} |\n")
+    out.write(f"| runs marked noisy | {sum(bool(r['noisy']) for r in page)}/{len(page)} | "
+              f"{sum(bool(r['noisy']) for r in api)}/{len(api)} | |\n")
+    out.write("browser cores per run: " + ", ".join(f"{r['browser_cores']:.3f}" for r in page) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
