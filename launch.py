@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -64,6 +65,7 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--vllm-memory", default="0.45,0.45", help="GPU memory share of the baseline,speculative servers")
     p.add_argument("--vllm-max-model-len", type=int, default=2048)
+    p.add_argument("--vllm-ports", default="8101,8102", help="ports of the managed baseline,speculative servers")
     p.add_argument("--vllm-attach", help="BASELINE_URL,SPECULATIVE_URL of servers that are already running")
     p.add_argument("--vllm-api-key-env", default="VLLM_API_KEY", help="environment variable with the API key")
 
@@ -85,42 +87,70 @@ def build_request(args, prompt: str):
 
 
 def demo(args) -> int:
-    from engine.backend import LocalBackend
-    from engine.events import RunResult, TokenEvent
+    """One prompt on both engines, one after the other, streamed to the terminal; then the figures and the checks
+    (greedy: identical or the first divergence; sampled: the sampling check)."""
+    from engine.check import sampling_check
     from engine.metrics import compare
 
-    backend = LocalBackend.from_preset(preset_of(args), args.device, args.strict)
-    req = build_request(args, args.prompt)
-    backend.prompt_ids(req)  # validate before printing anything
-    results = {}
-    for engine in ("baseline", "speculative"):
-        out = sys.stdout
-        out.write(f"\n== {engine} ==\n")
-        for event in getattr(backend, engine)(req):
-            if isinstance(event, TokenEvent):
-                if not out.isatty():
-                    if event.kind.value != "rejected":  # plain text output: the answer only
-                        out.write(event.text)
-                    continue
-                colour = COLOURS.get(event.kind.value, "")
-                out.write(f"{colour}{event.text}{RESET if colour else ''}")
-                out.flush()
-            elif isinstance(event, RunResult):
-                results[engine] = event
-        r = results[engine]
-        out.write(f"\n[{r.finish_reason}{': ' + r.error if r.error else ''}] {r.metrics['output_tokens']} tokens, "
-                  f"{r.metrics['tokens_per_s'] or 0:.2f} tok/s, {r.metrics['target_passes']} target passes\n")
-    c = compare(results["baseline"], results["speculative"], req.sampling.greedy)
-    s = results["speculative"].metrics
+    host = (vllm_host(args) if args.backend == "vllm" else local_host(args)).start()
+    try:
+        if not host.wait():
+            log.error("%s", host.status())
+            return 2
+        backend = host.backend
+        req = build_request(args, args.prompt)
+        backend.prompt_ids(req)  # validate before printing anything
+        results = {engine: _stream_to_terminal(backend, engine, req) for engine in ("baseline", "speculative")}
+        c = compare(results["baseline"], results["speculative"], req.sampling.greedy)
+        c |= sampling_check(backend, req, results)  # after both runs, outside their timing
+        sys.stdout.write("\n".join(_demo_lines(results["speculative"].metrics, c)) + "\n")
+        return 0
+    finally:
+        host.close()
+
+
+def _stream_to_terminal(backend, engine: str, req):
+    from engine.events import RunResult, TokenEvent
+
+    out, result = sys.stdout, None
+    out.write(f"\n== {engine} ==\n")
+    for event in getattr(backend, engine)(req):
+        if isinstance(event, TokenEvent):
+            if not out.isatty():
+                if event.kind.value != "rejected":  # plain text output: the answer only
+                    out.write(event.text)
+                continue
+            colour = COLOURS.get(event.kind.value, "")
+            out.write(f"{colour}{event.text}{RESET if colour else ''}")
+            out.flush()
+        elif isinstance(event, RunResult):
+            result = event
+    m = result.metrics
+    passes = "unknown" if m.get("target_passes") is None else m["target_passes"]
+    out.write(f"\n[{result.finish_reason}{': ' + result.error if result.error else ''}] {m['output_tokens']} tokens, "
+              f"{m['tokens_per_s'] or 0:.2f} tok/s, target passes {passes}\n")
+    return result
+
+
+def _demo_lines(s: dict, c: dict) -> list[str]:
     lines = [f"speedup {c['speedup'] or 0:.2f}x (decode {c['decode_speedup'] or 0:.2f}x)"]
-    if s["acceptance_rate"] is not None:
+    if s.get("acceptance_rate") is not None:
         lines.append(f"acceptance {s['acceptance_rate']:.2f}, mean accepted length {s['mean_accepted_length']:.2f}")
+    if s.get("highlighting"):
+        lines.append(f"highlighting: {s['highlighting']}")
     if "machine_bound" in c:
         lines.append(f"bound on this machine {c['machine_bound']:.2f}x, efficiency {c.get('efficiency') or 0:.2f}")
+    else:
+        lines.append("bound: unknown (draft and verify costs not measured)")
     if "identical" in c:
-        lines.append("greedy outputs identical" if c["identical"] else f"outputs diverge at token {c['first_divergence']}")
-    sys.stdout.write("\n".join(lines) + "\n")
-    return 0
+        lines.append("greedy outputs identical" if c["identical"]
+                     else f"outputs diverge at token {c['first_divergence']}")
+    if c.get("nll_baseline") is not None:
+        lines.append(f"NLL nats/token: baseline {c['nll_baseline']:.2f}, speculative {c['nll_speculative']:.2f} "
+                     f"(perplexity {c['perplexity_baseline']:.1f} | {c['perplexity_speculative']:.1f})")
+    if c.get("sampling_check") or c.get("sampling_check_reason"):
+        lines.append(f"sampling check: {c.get('sampling_check') or 'not checked'} ({c.get('sampling_check_reason')})")
+    return lines
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -146,15 +176,25 @@ def vllm_host(args):
         urls = args.vllm_attach.split(",")
         if len(urls) != 2:
             raise SystemExit("--vllm-attach takes BASELINE_URL,SPECULATIVE_URL")
-        return ModelHost(f"vLLM servers at {urls[0]} and {urls[1]}", lambda progress: VLLMBackend.attach(*urls, api_key))
+        # n-gram drafting: --vllm-k says what the attached speculative server runs, which places the steps without
+        # drafts (checked against the server's own counts)
+        hint = speculative_config("ngram", args.vllm_k) if args.vllm_method == "ngram" else None
+        return ModelHost(f"vLLM servers at {urls[0]} and {urls[1]}",
+                         lambda progress: VLLMBackend.attach(*urls, api_key, speculative=hint))
     preset = preset_of(args)
     split = tuple(float(x) for x in args.vllm_memory.split(","))
     spec = speculative_config(args.vllm_method, args.vllm_k, args.vllm_draft)
+    try:
+        ports = tuple(int(x) for x in args.vllm_ports.split(","))
+    except ValueError:
+        ports = ()
+    if len(ports) != 2 or ports[0] == ports[1]:
+        raise SystemExit(f"--vllm-ports takes two different ports, BASELINE,SPECULATIVE; got {args.vllm_ports!r}")
 
     def factory(progress):
         model = str(resolve(args.target or preset.target, progress))  # vLLM needs a model directory
-        return VLLMBackend.managed(model, spec, python=args.vllm_python, memory_split=split, on_progress=progress,
-                                   max_model_len=args.vllm_max_model_len)
+        return VLLMBackend.managed(model, spec, python=args.vllm_python, memory_split=split, ports=ports,
+                                   on_progress=progress, max_model_len=args.vllm_max_model_len)
 
     placement = f"GPU memory {split[0]:.2f}/{split[1]:.2f}" if has_gpu() else "one CPU core each"
     return ModelHost(f"vLLM (managed: {placement}), speculative config {spec}", factory, "draft")
@@ -183,10 +223,23 @@ def console(args) -> int:
         log.error("%s", e)
         return 2
     host = (vllm_host(args) if args.backend == "vllm" else local_host(args)).start()  # the page is up meanwhile
-    atexit.register(host.close)  # stop managed vLLM servers with the console
+    # Managed vLLM servers stop with the console however it ends: Ctrl-C ends launch(); SIGTERM and SIGHUP (whose
+    # default would end the process without cleaning up) and exceptions end it through the finally; sys.exit
+    # elsewhere through atexit. If the console is killed outright, each server's guard stops it (engine.vllm_server).
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit_on_signal)
+    atexit.register(host.close)
     log.info("history in %s; open http://%s:%d", args.db, args.host, args.port)
-    launch(host, history, args.host, args.port, auth)
+    try:
+        launch(host, history, args.host, args.port, auth)
+    finally:
+        host.close()
     return 0
+
+
+def _exit_on_signal(signum, frame):
+    log.info("%s: stopping", signal.Signals(signum).name)
+    raise SystemExit(128 + signum)
 
 
 def suite(args) -> int:
@@ -278,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         p = argparse.ArgumentParser(prog="launch.py demo", description="one prompt on both engines in the terminal")
         add_engine_args(p)
         add_request_args(p)
+        add_backend_args(p)
         p.add_argument("--prompt", required=True)
         args, run = p.parse_args(argv[1:]), demo
     else:

@@ -30,6 +30,8 @@ function apply() {
   error.textContent = m.error || '';
   root.querySelector('.panel-status').textContent = m.status || '';
   if (m.start + m.tokens.length > 0) box.scrollTop = box.scrollHeight;
+  root.dataset.run = m.run;  // lets a test or benchmark see which run the panel shows, and whether it ended
+  root.dataset.final = m.final_html !== undefined ? 'yes' : 'no';
 }
 
 fresh();

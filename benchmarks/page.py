@@ -32,6 +32,12 @@ ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
 PROMPT = "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring."
 log = logging.getLogger("benchmarks.page")
+# assets/live_panel.js marks each panel with the run it shows and whether that run's last message came
+LAST_RUN = "document.querySelector('#baseline-panel .live-panel').dataset.run || ''"
+RUN_ENDED = """before => ['#baseline-panel', '#speculative-panel'].every(id => {
+    const panel = document.querySelector(id + ' .live-panel');
+    return panel.dataset.run !== before && panel.dataset.final === 'yes';
+})"""
 
 
 def free_port() -> int:
@@ -66,12 +72,13 @@ def machine() -> str:
 def page_phase(args) -> list[dict]:
     from playwright.sync_api import sync_playwright
 
-    db = Path(tempfile.mkdtemp(prefix="specconsole-page-")) / "history.db"
+    work = Path(tempfile.mkdtemp(prefix="specconsole-page-"))
+    db, console_log = work / "history.db", open(work / "console.log", "w")
+    log.info("console log: %s", console_log.name)
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False")
     console = subprocess.Popen([sys.executable, "launch.py", "--preset", args.preset, "--port", str(port),
-                                "--db", str(db)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+                                "--db", str(db)], cwd=ROOT, env=env, stdout=console_log, stderr=subprocess.STDOUT)
     runs = []
     try:
         with sync_playwright() as pw:
@@ -96,9 +103,10 @@ def page_phase(args) -> list[dict]:
             console_proc = psutil.Process(console.pid)
             for i in range(args.runs + 1):  # the first run is a warm-up
                 browser_procs = browser_processes(console.pid)
+                before = page.evaluate(LAST_RUN)
                 b0, c0, t0 = cpu_seconds(browser_procs), cpu_seconds([console_proc]), time.perf_counter()
                 page.click("#run")
-                page.wait_for_selector("#figures:has-text('machine during the run')", timeout=600_000)
+                page.wait_for_function(RUN_ENDED, arg=before, timeout=600_000)
                 wall = time.perf_counter() - t0
                 b1, c1 = cpu_seconds(browser_processes(console.pid)), cpu_seconds([console_proc])
                 row = _latest_run(db)
@@ -107,8 +115,6 @@ def page_phase(args) -> list[dict]:
                          {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
                 if i:
                     runs.append(row)
-                # the figures box is re-rendered by the next run; wait for the old text to go first
-                page.evaluate("document.querySelector('#figures').innerHTML = ''")
             browser.close()
     finally:
         console.terminate()

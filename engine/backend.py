@@ -10,7 +10,7 @@ from typing import Iterator
 
 from engine.drafters import DraftModelProposer, NgramProposer
 from engine.events import Event
-from engine.local import generate_baseline, generate_speculative
+from engine.local import generate_baseline, generate_speculative, score_outputs
 from engine.models import PRESETS, LoadedModel, ModelError, Preset, check_pair, encode_prompt, load, pick_device
 from engine.policy import SpecPolicy
 from engine.sampling import MAX_K, SamplingParams, SettingsError
@@ -127,6 +127,12 @@ class LocalBackend:
             if getattr(event, "engine", None) == "baseline" and event.metrics.get("plain_step_ms"):
                 self.target_step_ms = event.metrics["plain_step_ms"]
             yield event
+
+    def score(self, req: Request, outputs: list[list[int]]) -> list[list[float]]:
+        """Log-probability of each token of each output under the target (raw distribution, temperature 1), given the
+        request's prompt: one prefill, then one forward pass per output over its tokens (for the sampling check)."""
+        prompt = self.prompt_ids(req)
+        return score_outputs(self.target.model, prompt, outputs)
 
     def speculative(self, req: Request, cancel: threading.Event | None = None, clock=time.perf_counter) -> Iterator[Event]:
         ids = self.prompt_ids(req)

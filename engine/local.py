@@ -34,6 +34,7 @@ class _Recorder:
         self.result = RunResult(engine=engine, method=method, prompt_tokens=len(prompt_ids))
         self.transcript = Transcript(Detokenizer(tokenizer), stops)
         self.prompt_ids = prompt_ids
+        self.rejected = [None, [], ""]  # this step's rejected drafts: [step, their ids, the text they read as]
 
     def now(self) -> float:
         return self.clock() - self.t0
@@ -54,7 +55,20 @@ class _Recorder:
         return event
 
     def reject(self, token, step, position, p=None, q=None) -> TokenEvent:
-        text = self.transcript.detok.tokenizer.decode([token], skip_special_tokens=False)
+        # A rejected draft reads on from the committed text and the drafts rejected before it in this step: decoded
+        # alone, a token that holds part of a multi-byte character would show as U+FFFD.
+        detok = self.transcript.detok
+        if self.rejected[0] != step:
+            self.rejected = [step, [], detok.text]
+        drafts, shown = self.rejected[1], self.rejected[2]
+        drafts.append(token)
+        full = detok.tokenizer.decode(detok.ids + drafts, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        if full.endswith("\ufffd"):
+            text = ""  # an incomplete character, like a commit's: a later rejected draft shows it whole
+        elif full.startswith(shown) and len(full) > len(shown):
+            text, self.rejected[2] = full[len(shown):], full
+        else:  # a special token (no text in the output): its own text
+            text = detok.tokenizer.decode([token], skip_special_tokens=False)
         event = TokenEvent(TokenKind.REJECTED, token, text, step, position, self.now(), None, p, q)
         self.result.tokens.append(event)
         return event
@@ -192,3 +206,21 @@ def generate_speculative(
         yield run.finish(error=e)
         return
     yield run.finish(cancelled=cancel is not None and cancel.is_set())
+
+
+@torch.inference_mode()
+def score_outputs(model, prompt_ids: list[int], outputs: list[list[int]]) -> list[list[float]]:
+    """Log-probability of every token of each output given the prompt, under the target's raw distribution. The
+    prompt is prefilled once; each output is then one forward pass from the cached prompt."""
+    cache = new_cache(model)
+    first = forward(model, prompt_ids, cache, keep=1)  # [1, V]: predicts each output's first token
+    scores = []
+    for out in outputs:
+        if not out:
+            scores.append([])
+            continue
+        rollback(cache, len(prompt_ids))
+        logits = first if len(out) == 1 else torch.cat([first, forward(model, out[:-1], cache, keep=len(out) - 1)])
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        scores.append(logprobs[torch.arange(len(out)), torch.tensor(out)].tolist())
+    return scores

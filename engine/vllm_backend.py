@@ -5,12 +5,16 @@ its share of the GPU (`--gpu-memory-utilization`), or on a machine without a GPU
 (VLLM_CPU_OMP_THREADS_BIND) and VLLM_CPU_KVCACHE_SPACE. Attach mode talks to servers someone already runs.
 
 Tokens stream live (httpx, `stream: true`, `return_token_ids`, per-token logprobs for the text and p). The
-speculative server's tokens arrive as `pending`: vLLM merges chunks, so chunk boundaries say nothing reliable about
-steps. The final usage chunk of a server started with `--per-request-spec-decode-metrics detailed` carries
-per_step_accepted / per_step_drafted; from those each output token is classified exactly: the first token comes
-from the prefill, then each step commits its accepted drafts and one token of the target's (bonus if all drafts
-were kept, recovered otherwise). Server-wide counters from /metrics, read before and after a run, give
-per-position acceptance; without per-request metrics they are all there is, and the tokens stay pending.
+speculative server's tokens arrive as `pending`: chunk boundaries say nothing reliable about steps (the text, and
+with it the token ids, can lag a token behind). The final usage chunk of a server started with
+`--per-request-spec-decode-metrics detailed` carries per_step_accepted / per_step_drafted; from those (and, for
+n-gram drafting, a replay of the proposer that places the steps without drafts: engine.vllm_steps) each output
+token is classified exactly: the first token comes from the prefill, then each step commits its accepted drafts and
+one token of the target's (bonus if all drafts were kept, recovered otherwise). Where the tokens cannot be placed,
+the server's counts are still shown and the figures that need the placement say "unknown". Server-wide counters
+from /metrics, read before and after a run, give per-position acceptance.
+
+Server processes (start, stop, never outliving the console) live in engine.vllm_server.
 """
 
 from __future__ import annotations
@@ -20,32 +24,31 @@ import logging
 import math
 import os
 import re
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field, replace
-from itertools import groupby
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator
 
 import httpx
 
+from engine.backend import Request
 from engine.events import Event, RunResult, StepRecord, TokenEvent, TokenKind
 from engine.metrics import run_metrics
 from engine.models import chat_messages
-from engine.sampling import MAX_K
+from engine.sampling import MAX_K, SamplingParams
+from engine.vllm_server import ServerConfig, VLLMError, VLLMServer, has_gpu  # noqa: F401 - re-exported
+from engine.vllm_steps import Steps, classify, kinds, replay_ngram
 
 log = logging.getLogger(__name__)
 
 METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa", "mtp", "suffix")
 SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
-
-
-class VLLMError(RuntimeError):
-    """A server that cannot be started, reached or trusted; the message says why (with its log's tail)."""
+ENGINES = ("baseline", "speculative")
+WARM_UP_PROMPT = 'Repeat exactly: "alpha beta gamma delta epsilon", "alpha beta gamma delta epsilon"'
 
 
 def speculative_config(method: str, k: int, draft: str | None = None, ngram_min: int = 1, ngram_max: int = 4) -> dict:
@@ -64,18 +67,6 @@ def speculative_config(method: str, k: int, draft: str | None = None, ngram_min:
     elif draft:  # mtp and suffix use the target's own heads / no model; a path is passed through when given
         config["model"] = draft
     return config
-
-
-def classify(n_tokens: int, accepted: list[int], drafted: list[int]) -> list[tuple[TokenKind, int, int]] | None:
-    """(kind, step, position) of each output token from vLLM's per-step arrays, or None if they don't add up."""
-    kinds = [(TokenKind.BASELINE, 0, 0)]  # the prefill's token
-    for step, (a, d) in enumerate(zip(accepted, drafted), start=1):
-        kinds += [(TokenKind.ACCEPTED, step, i) for i in range(a)]
-        kinds.append((TokenKind.BASELINE if d == 0 else TokenKind.BONUS if a == d else TokenKind.RECOVERED, step, a))
-    before_last = 1 + sum(a + 1 for a in accepted[:-1])
-    if not (len(kinds) >= n_tokens and (not accepted or before_last < n_tokens)):
-        return None  # the last step must be the one that produced the last token
-    return kinds[:n_tokens]
 
 
 def parse_metrics(text: str) -> dict:
@@ -101,96 +92,6 @@ def metrics_delta(before: dict, after: dict) -> dict:
     return d
 
 
-@dataclass
-class ServerConfig:
-    role: str  # "baseline" | "speculative"
-    model: str
-    port: int
-    python: str = sys.executable  # vLLM may live in its own virtualenv
-    speculative: dict | None = None
-    gpu: bool = False
-    gpu_memory_utilization: float = 0.45
-    cpu_core: int | None = None  # on CPU: the core this server's threads are bound to
-    kv_cache_gb: int = 1
-    max_model_len: int = 2048
-    served_name: str = "target"
-    extra_args: list[str] = field(default_factory=list)
-
-    def command(self) -> list[str]:
-        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-               "--served-model-name", self.served_name, "--host", "127.0.0.1", "--port", str(self.port),
-               "--max-model-len", str(self.max_model_len), "--enable-per-request-metrics"]
-        if self.gpu:
-            cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
-        else:
-            cmd += ["--enforce-eager", "--dtype", "float32"]
-        if self.speculative:
-            cmd += ["--speculative-config", json.dumps(self.speculative),
-                    "--per-request-spec-decode-metrics", "detailed"]
-        return cmd + self.extra_args
-
-    def env(self) -> dict:
-        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
-        if not self.gpu:
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gb)
-            if self.cpu_core is not None:
-                env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_core)
-        return env
-
-
-class VLLMServer:
-    """One vLLM server process with its log file; start() returns when it answers, or raises with the log's tail."""
-
-    def __init__(self, config: ServerConfig, log_dir: Path):
-        self.config = config
-        self.log_path = log_dir / f"vllm-{config.role}-{config.port}.log"
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.config.port}"
-
-    def start(self, timeout: float = 600) -> None:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", self.config.port)) == 0:
-                raise VLLMError(f"port {self.config.port} is already in use: cannot start the {self.config.role} server")
-        log.info("starting the %s vLLM server: %s", self.config.role, " ".join(self.config.command()))
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        logfile = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.config.command(), env=self.config.env(), stdout=logfile,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise VLLMError(f"the {self.config.role} vLLM server exited with code {self.proc.returncode} while "
-                                f"starting. End of its log ({self.log_path}):\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    log.info("%s server ready at %s", self.config.role, self.url)
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        self.stop()
-        raise VLLMError(f"the {self.config.role} vLLM server did not answer within {timeout:.0f} s. "
-                        f"End of its log ({self.log_path}):\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 25) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-
-
 class VLLMBackend:
     """Same interface as engine.backend.LocalBackend: baseline(req) and speculative(req) stream events."""
 
@@ -198,11 +99,12 @@ class VLLMBackend:
 
     def __init__(self, baseline_url: str, speculative_url: str, model: str, api_key: str | None = None,
                  servers: list[VLLMServer] | None = None, stall_timeout: float = 60.0,
-                 speculative: dict | None = None):
+                 speculative: dict | None = None, max_model_len: int = 2048):
         self.urls = {"baseline": baseline_url.rstrip("/"), "speculative": speculative_url.rstrip("/")}
         self.model, self.servers, self.stall_timeout = model, servers or [], stall_timeout
         self.headers = _auth(api_key)
         self.speculative_config = speculative or {}
+        self.max_model_len = max_model_len
         # managed servers each own their cores (or GPU share): they can run at once without stealing compute
         self.fair_strategy = "parallel" if servers else "sequential"
 
@@ -229,7 +131,7 @@ class VLLMBackend:
                 raise
             servers.append(server)
         backend = cls(servers[0].url, servers[1].url, servers[0].config.served_name, servers=servers,
-                      speculative=speculative)
+                      speculative=speculative, max_model_len=servers[1].config.max_model_len)
         if on_progress:
             on_progress("warming up the vLLM servers", 2, 3)
         backend.warm_up()
@@ -238,8 +140,12 @@ class VLLMBackend:
         return backend
 
     @classmethod
-    def attach(cls, baseline_url: str, speculative_url: str, api_key: str | None = None) -> "VLLMBackend":
-        """Check that both servers serve the same target and that the second one speculates."""
+    def attach(cls, baseline_url: str, speculative_url: str, api_key: str | None = None,
+               speculative: dict | None = None) -> "VLLMBackend":
+        """Check that both servers serve the same target and that the second one speculates. `speculative`, if
+        given, says what the second one was started with (vLLM does not tell): for n-gram drafting it lets steps
+        without drafts be placed, and every step is checked against the server's own counts, so a wrong one only
+        leaves the tokens unplaced."""
         headers = _auth(api_key)
         roots, specs = [], []
         for url in (baseline_url, speculative_url):
@@ -248,14 +154,15 @@ class VLLMBackend:
                 metrics = httpx.get(url.rstrip("/") + "/metrics", headers=headers, timeout=10).text
             except (httpx.HTTPError, KeyError, ValueError) as e:
                 raise VLLMError(f"cannot reach a vLLM server at {url}: {e}") from e
-            roots.append((models[0]["id"], models[0].get("root")))
+            roots.append((models[0]["id"], models[0].get("root"), models[0].get("max_model_len") or 2048))
             specs.append("vllm:spec_decode_num_drafts" in metrics)
         if roots[0][1] != roots[1][1]:
             raise VLLMError(f"the two servers serve different models: {roots[0][1]} and {roots[1][1]}")
         if specs[0] or not specs[1]:
             raise VLLMError("expected the first server without and the second with speculative decoding; "
                             f"they report spec-decode metrics: {specs[0]} and {specs[1]}")
-        return cls(baseline_url, speculative_url, roots[1][0], api_key)
+        return cls(baseline_url, speculative_url, roots[1][0], api_key, max_model_len=roots[1][2],
+                   speculative=speculative)
 
     def reconfigure(self, speculative: dict) -> None:
         """Restart the managed speculative server with another --speculative-config (the page's settings). If the
@@ -274,16 +181,32 @@ class VLLMBackend:
                 error = e
                 continue
             self.servers[1], self.speculative_config = server, config
-            self.warm_up()
+            self.warm_up(("speculative",))
             if config is speculative:
                 return
         raise VLLMError(f"the new speculative config failed; the previous one is running again. {error}")
 
-    def warm_up(self) -> None:
-        """One short request each: a server's first request pays one-off costs that would distort the first run."""
-        for url in self.urls.values():
-            httpx.post(url + "/v1/completions", json={"model": self.model, "prompt": "Hello", "max_tokens": 4},
-                       headers=self.headers, timeout=120)
+    def warm_up(self, engines: tuple[str, ...] = ENGINES) -> None:
+        """Requests shaped like the console's own, on both servers at once, before the first run. A server's first
+        request of a kind pays one-off costs that would land in the first run's TTFT: on vllm-cpu the first request
+        with logprobs compiles vLLM's logprob-rank kernel with torch.compile (35 s on one core here), and a new
+        batch shape (a multi-token verify step, the check's prompt scoring) compiles it again. So: streamed chat
+        with logprobs, greedy and sampled, on a prompt that makes n-gram drafts land, then the sampling check's
+        scoring request on the baseline server."""
+        def warm(engine: str) -> None:
+            for temperature in (0.0, 0.8):
+                req = Request(prompt=WARM_UP_PROMPT, max_new_tokens=24, sampling=SamplingParams(temperature, 0, 1.0, 0))
+                result = list(self._stream(engine, req, None, time.perf_counter))[-1]
+                if result.error:
+                    raise VLLMError(f"warming up: {result.error}")
+            if engine == "baseline":
+                self.score(req, [result.output_ids])
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(2) as pool:
+            for done in [pool.submit(warm, engine) for engine in engines]:
+                done.result()
+        log.info("vLLM servers warmed up in %.1f s", time.perf_counter() - t0)
 
     def close(self) -> None:
         for server in self.servers:
@@ -297,6 +220,32 @@ class VLLMBackend:
     def prompt_ids(self, req) -> list[int]:
         req.validate()
         return []  # the server tokenizes
+
+    def score(self, req, outputs: list[list[int]]) -> list[list[float]]:
+        """Log-probability of each token of each output under the target (raw distribution), given the request's
+        prompt, as the baseline server computes it: /tokenize renders the prompt as the run did, then one batched
+        /v1/completions request returns prompt_logprobs over prompt + output (for the sampling check)."""
+        url = self.urls["baseline"]
+        if req.chat:
+            body = {"model": self.model, "messages": chat_messages(req.prompt, req.earlier_turns),
+                    "add_generation_prompt": True}
+        else:
+            body = {"model": self.model, "prompt": req.prompt}
+        try:
+            resp = httpx.post(url + "/tokenize", json=body, headers=self.headers, timeout=30)
+            resp.raise_for_status()
+            prompt = resp.json()["tokens"]
+            body = {"model": self.model, "prompt": [prompt + list(out) for out in outputs], "max_tokens": 1,
+                    "temperature": 0, "prompt_logprobs": 0}
+            resp = httpx.post(url + "/v1/completions", json=body, headers=self.headers, timeout=120)
+            if resp.status_code != 200:
+                raise VLLMError(f"the baseline server answered {resp.status_code}: {resp.text[:300]}")
+            choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
+        except (httpx.HTTPError, KeyError, ValueError) as e:
+            raise VLLMError(f"the baseline server could not score the outputs: {type(e).__name__}: {e}") from e
+        # prompt_logprobs[i] maps token ids (as strings) to logprobs at position i; the scored token is always there
+        return [[entry[str(token)]["logprob"] for token, entry in zip(out, c["prompt_logprobs"][len(prompt):])]
+                for out, c in zip(outputs, choices)]
 
     # --- runs ------------------------------------------------------------------------------------------------------
 
@@ -331,12 +280,13 @@ class VLLMBackend:
         result = RunResult(engine=engine, method=method, prompt_tokens=0)
         kind = TokenKind.BASELINE if engine == "baseline" else TokenKind.PENDING
         t0 = clock()
-        usage, before = None, None
+        usage, before, prompt_ids = None, None, None
         path, body = self._body(req)
         timeout = httpx.Timeout(10.0, read=self.stall_timeout)
         try:
             if engine == "speculative":
                 before = self.scrape(engine)
+                t0 = clock()  # the baseline makes no such call: start both clocks at the request
             with httpx.stream("POST", self.urls[engine] + path, json=body, headers=self.headers,
                               timeout=timeout) as resp:
                 if resp.status_code != 200:
@@ -349,6 +299,7 @@ class VLLMBackend:
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
+                    prompt_ids = prompt_ids or chunk.get("prompt_token_ids")  # the first chunk brings them
                     if chunk.get("usage"):
                         usage = chunk
                     for choice in chunk.get("choices", []):
@@ -358,7 +309,7 @@ class VLLMBackend:
                         if choice.get("finish_reason"):
                             result.finish_reason = _finish_reason(choice)
             result.output_text = "".join(content)
-            self._finish(engine, result, usage, before)
+            self._finish(engine, result, usage, before, prompt_ids)
         except (httpx.HTTPError, VLLMError, ValueError) as e:
             what = "stopped answering" if isinstance(e, httpx.TimeoutException) else "failed"
             result.finish_reason = "error"
@@ -385,7 +336,8 @@ class VLLMBackend:
             result.tokens.append(event)
             yield event
 
-    def _finish(self, engine: str, result: RunResult, usage: dict | None, before: dict | None) -> None:
+    def _finish(self, engine: str, result: RunResult, usage: dict | None, before: dict | None,
+                prompt_ids: list[int] | None) -> None:
         metrics = (usage or {}).get("metrics") or {}
         result.metrics = {f"vllm_{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}
         if usage:
@@ -401,20 +353,57 @@ class VLLMBackend:
             result.metrics["server_delta"] = {k: delta[k] for k in SPEC_COUNTERS}
             result.metrics["server_per_position_acceptance"] = [
                 v / drafts for _, v in sorted(delta["per_pos"].items())] if drafts else []
-        spec = metrics.get("speculative_decoding") or {}
-        accepted, drafted = spec.get("per_step_accepted"), spec.get("per_step_drafted")
-        kinds = classify(len(result.tokens), accepted, drafted) if accepted is not None and drafted else None
-        if kinds is None:
-            result.metrics["highlighting"] = ("approximate: this server gives no per-request step counts; "
-                                              "figures come from /metrics deltas")
+        spec = metrics.get("speculative_decoding")
+        if not spec:
+            why = ("the run ended before the server's counts arrived" if result.finish_reason == "cancelled" else
+                   "the server returned no per-request speculative counts (vLLM returns them when started with "
+                   "--per-request-spec-decode-metrics detailed)")
+            result.metrics |= UNKNOWN_STEP_FIGURES | {"highlighting": f"unknown: {why}; tokens stay pending"}
             return
-        result.metrics["highlighting"] = "exact"
-        for token, (kind, step, position) in zip(result.tokens, kinds):
+        accepted, drafted = spec.get("per_step_accepted") or [], spec.get("per_step_drafted") or []
+        steps, how = self._place_steps(result, accepted, drafted, prompt_ids)
+        if steps is None:
+            # the server's counts are exact; which tokens (and how many plain passes) they belong to is not known
+            result.metrics |= UNKNOWN_STEP_FIGURES | {
+                "steps": spec["num_spec_steps"], "drafted": spec["num_draft_tokens"],
+                "accepted": spec["num_accepted_draft_tokens"],
+                "acceptance_rate": spec["draft_acceptance_rate"] if spec["num_draft_tokens"] else None,
+                "mean_accepted_length": spec["mean_acceptance_length"] if spec["num_spec_steps"] else None,
+                "highlighting": how}
+            return
+        result.metrics["highlighting"] = how
+        placed = kinds(steps, len(result.tokens))
+        for token, (kind, step, position) in zip(result.tokens, placed):
             token.kind, token.step, token.position = kind, step, position
-        for step, group in groupby(result.tokens, key=lambda t: t.step):  # tokens come in step order
-            mine = list(group)
-            d, a = (0, 0) if step == 0 else (drafted[step - 1], accepted[step - 1])
-            result.steps.append(StepRecord(step, d, min(a, len(mine)), len(mine), 0.0, 0.0, mine[-1].time_s))
+        for step, (d, a) in enumerate(steps):
+            mine = [t for t in result.tokens if t.step == step]
+            if mine:  # a stop condition can cut the last step short
+                result.steps.append(StepRecord(step, d, min(a, len(mine)), len(mine), 0.0, 0.0, mine[-1].time_s))
+
+    def _place_steps(self, result: RunResult, accepted: list[int], drafted: list[int],
+                     prompt_ids: list[int] | None) -> tuple[Steps | None, str]:
+        """The target passes behind the output tokens (see engine.vllm_steps), and how they were found."""
+        n = len(result.tokens)
+        steps = classify(n, accepted, drafted)
+        if steps is not None:
+            return steps, "exact"
+        plain = max(n - 1 - sum(a + 1 for a in accepted), 0)  # steps without drafts are not in the server's arrays
+        why = f"{plain} steps had no drafts and vLLM does not say where they fall"
+        if self.speculative_config.get("method") == "ngram" and prompt_ids:
+            output = [t.token_id for t in result.tokens]
+            steps = replay_ngram(prompt_ids, output, accepted, drafted, self.speculative_config, self.max_model_len)
+            if steps is not None:
+                return steps, "exact (steps without drafts placed by replaying vLLM's n-gram proposer)"
+            why = (f"{plain} steps had no drafts, and replaying the n-gram proposer to place them disagrees with the "
+                   "server's own counts (another speculative config than the console's, or a server whose output "
+                   "contradicts its counts)")
+        return None, f"counts exact, tokens unplaced: {why}; tokens stay pending, target passes unknown"
+
+
+# figures that need to know which target pass produced which token; None prints as "unknown"
+UNKNOWN_STEP_FIGURES = {"target_passes": None, "passes_saved": None, "steps": None, "drafted": None,
+                        "accepted": None, "acceptance_rate": None, "mean_accepted_length": None, "mean_k": None,
+                        "per_position_acceptance": []}
 
 
 def _auth(api_key: str | None) -> dict:
@@ -431,10 +420,3 @@ def _finish_reason(choice: dict) -> str:
     if choice["finish_reason"] == "length":
         return "length"
     return "stop" if isinstance(choice.get("stop_reason"), str) else "eos"
-
-
-def has_gpu() -> bool:
-    try:
-        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False

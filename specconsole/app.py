@@ -40,7 +40,10 @@ PANEL_EVERY_S = 0.2
 FIGURES_EVERY_S = 0.5
 CHART_EVERY_S = 1.0
 HISTORY_COLUMNS = ["id", "created", "status", "category", "mode", "method", "speedup", "acceptance", "identical",
-                   "machine", "prompt"]
+                   "sampling check", "machine", "prompt"]
+HISTORY_PAGE = 100  # runs per page of the History tab: a long history is read a page at a time
+QUEUED = ("Queued behind another run: runs go one at a time, because the timings of concurrent runs would share "
+          "the CPU. This one starts when that one ends (Stop cancels it).")
 
 
 def _rolling_acceptance(result, window: int = 8) -> float | None:
@@ -91,8 +94,14 @@ def figures_for(results: dict):
     return charts.acceptance_per_step(s), charts.per_position(s), charts.tokens_over_time(b, s)
 
 
+def _save_note(comp: Comparison) -> str:
+    """Under the figures: why the run is not (completely) in the history, if it is not."""
+    return f'<div class="panel-error save-error">{escape(comp.save_error)}</div>' if comp.save_error else ""
+
+
 def build(host: ModelHost, history: History) -> gr.Blocks:
     active: dict[str, Comparison] = {}  # session -> its running comparison, for Stop
+    queued: dict[str, threading.Event] = {}  # session -> set by Stop while its run waits for another one
 
     def run(prompt, category, method, k, dynamic_k, confidence, fallback, temperature, top_p, max_new, seed, mode,
             show_rejected, request: gr.Request):
@@ -109,7 +118,22 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
             msg = str(e)
             yield panel_notice(panel_run, msg), panel_notice(panel_run, msg), "", gr.skip(), gr.skip(), gr.skip()
             return
-        with host.lock:
+        # One comparison at a time (the Run button allows several handlers so that a waiting one can say so): two
+        # at once would share the CPU, and the timings of both would be wrong.
+        if not host.lock.acquire(blocking=False):
+            stopped = queued[session] = threading.Event()
+            note = PanelFeed(panel_run).message([], QUEUED)
+            yield note, note, f'<div class="status-line">{escape(QUEUED)}</div>', gr.skip(), gr.skip(), gr.skip()
+            try:
+                while not host.lock.acquire(timeout=1.0):
+                    if stopped.is_set():
+                        note = PanelFeed(panel_run).message([], "Stopped before it started.")
+                        yield note, note, "", gr.skip(), gr.skip(), gr.skip()
+                        return
+                    yield (gr.skip(),) * 6  # gives gradio the chance to drop the run of a page that was closed
+            finally:
+                queued.pop(session, None)
+        try:
             meta = {"method": method, **host.backend.describe(), "category": category}
             if meta["backend"] == "local" and method != "draft":
                 meta["draft_model"] = None
@@ -133,7 +157,7 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
                         if figures_due:
                             s = results["speculative"]
                             figures = figures_html(results["baseline"], s, comp.comparison(results), mode,
-                                                   _rolling_acceptance(s))
+                                                   _rolling_acceptance(s)) + _save_note(comp)
                         charts = figures_for(results) if chart_due else (gr.skip(),) * 3
                     last_panel = now
                     last_figures, last_chart = (now if figures_due else last_figures), (now if chart_due else last_chart)
@@ -144,6 +168,8 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
             finally:
                 comp.cancel.set()  # a closed tab or an error must not leave the engines running
                 active.pop(session, None)
+        finally:
+            host.lock.release()
         if comp.save_error:
             gr.Warning(comp.save_error)
 
@@ -159,9 +185,12 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
         return f"Speculative server running with `{escape(json.dumps(config))}`."
 
     def stop(request: gr.Request):
-        comp = active.get(request.session_hash if request else "local")
+        session = request.session_hash if request else "local"
+        comp = active.get(session)
         if comp:
             comp.cancel.set()
+        if session in queued:
+            queued[session].set()
 
     def pick_category(category):
         prompts = load_suite(category)
@@ -177,16 +206,21 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
 
     # --- history ---------------------------------------------------------------------------------------------------
 
-    def history_table(category):
-        rows = history.runs(category if category and category != "all" else None)
+    def history_table(category, page=1):
+        """One page of the history: the table, the page number (kept in range) and the line that says where it is."""
+        rows, total, page = history.page(category if category and category != "all" else None, int(page or 1),
+                                         HISTORY_PAGE)
+        pages = max(1, -(-total // HISTORY_PAGE))
+        where = f"page {page} of {pages} · {total:,} run{'s' if total != 1 else ''}"
         return pd.DataFrame(
             [[r["id"], (r["created_at"] or "")[:19].replace("T", " "), r["status"], r["category"], r["mode"],
               r["method"], None if r["speedup"] is None else round(r["speedup"], 2),
               None if r["acceptance_rate"] is None else round(r["acceptance_rate"], 2),
-              {1: "yes", 0: "no"}.get(r["identical"], ""), {1: "noisy", 0: "quiet"}.get(r["noisy"], ""),
-              (r["prompt"] or "")[:80]] for r in rows],
+              {1: "yes", 0: "no"}.get(r["identical"], ""), r.get("sampling_check") or "",
+              {1: "noisy", 0: "quiet"}.get(r["noisy"], ""),
+              r["prompt"] or ""] for r in rows],
             columns=HISTORY_COLUMNS,
-        )
+        ), page, where
 
     def select_row(table, selected, evt: gr.SelectData):
         run_id = str(table.iloc[evt.index[0]]["id"])
@@ -208,11 +242,15 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
                 + f"\n\n> {escape((row['prompt'] or '')[:300])}")
         return (*html, *figures_for(results), info)
 
-    def delete_runs(selected, category):
+    def delete_runs(selected, category, page):
         ids = _ids(selected)
         if ids:
-            history.delete(ids)
-        return "", history_table(category)
+            try:
+                history.delete(ids)
+            except HistoryError as e:
+                gr.Warning(f"Nothing was deleted: {e}")
+                return selected, *history_table(category, page)
+        return "", *history_table(category, page)
 
     def export(selected, everything: bool):
         ids = None if everything else _ids(selected)
@@ -415,9 +453,15 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
 
         with gr.Tab("History", elem_id="history-tab") as history_tab:
             with gr.Row():
-                filter_cat = gr.Dropdown(["all"] + cats, value="all", label="Category")
+                filter_cat = gr.Dropdown(["all"] + cats, value="all", label="Category", elem_id="history-category")
                 refresh = gr.Button("Refresh", elem_id="refresh-history")
-            table = gr.Dataframe(history_table(None), interactive=False, elem_id="history-table", wrap=True)
+            first_page, _, first_where = history_table(None)
+            table = gr.Dataframe(first_page, interactive=False, elem_id="history-table", wrap=True)
+            with gr.Row():
+                newer = gr.Button("◀ Newer", elem_id="history-newer", size="sm")
+                page_no = gr.Number(1, precision=0, minimum=1, label="Page", elem_id="history-page", scale=0)
+                older = gr.Button("Older ▶", elem_id="history-older", size="sm")
+                page_info = gr.Markdown(first_where, elem_id="history-page-info")
             with gr.Row():
                 selected = gr.Textbox(label="Selected run ids (click rows)", elem_id="selected-runs")
                 opened_id = gr.Textbox(label="Open run id", elem_id="open-run-id")
@@ -427,11 +471,11 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
                 export_sel = gr.Button("Export selected (CSV)", elem_id="export-selected")
                 export_all = gr.Button("Export all (CSV)", elem_id="export-all")
             files = gr.File(label="CSV files", file_count="multiple", elem_id="export-files")
-            info = gr.Markdown()
+            info = gr.Markdown(elem_id="history-run-info")
             with gr.Row(equal_height=True):
-                old_base = gr.HTML()
-                old_spec = gr.HTML()
-            old_figures = gr.HTML()
+                old_base = gr.HTML(elem_id="history-baseline")
+                old_spec = gr.HTML(elem_id="history-speculative")
+            old_figures = gr.HTML(elem_id="history-figures")
             with gr.Row():
                 old_steps, old_pos, old_tokens = gr.Plot(), gr.Plot(), gr.Plot()
 
@@ -478,23 +522,28 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
                   mode, show_rejected]
         outputs = [base_panel, spec_panel, figures, chart_steps, chart_pos, chart_tokens]
         # no progress overlay: its animation would cost the browser CPU during the very run it shows
-        run_event = run_btn.click(run, inputs, outputs, concurrency_limit=1, concurrency_id="engines",
+        # up to 4 handlers: one runs, the others wait in run() for host.lock and say that they are queued
+        run_event = run_btn.click(run, inputs, outputs, concurrency_limit=4, concurrency_id="runs",
                                   show_progress="hidden")
-        run_event.then(history_table, filter_cat, table)
+        history_page = [table, page_no, page_info]
+        run_event.then(history_table, [filter_cat, page_no], history_page)
         stop_btn.click(stop, None, None, concurrency_limit=None)
         category.change(pick_category, category, [example, prompt, temperature])
         example.input(pick_example, [category, example], [prompt, temperature])
         app.load(pick_category, category, [example, prompt, temperature])
 
-        refresh.click(history_table, filter_cat, table)
-        filter_cat.change(history_table, filter_cat, table)
-        history_tab.select(history_table, filter_cat, table)
+        refresh.click(history_table, [filter_cat, page_no], history_page)
+        filter_cat.change(history_table, filter_cat, history_page)  # a new filter starts at its first page
+        history_tab.select(history_table, [filter_cat, page_no], history_page)
+        newer.click(lambda c, p: history_table(c, (p or 1) - 1), [filter_cat, page_no], history_page)
+        older.click(lambda c, p: history_table(c, (p or 1) + 1), [filter_cat, page_no], history_page)
+        page_no.submit(history_table, [filter_cat, page_no], history_page)
         vllm_apply.click(reconfigure_vllm, [vllm_method, vllm_k, vllm_draft], vllm_status, concurrency_limit=1,
                          concurrency_id="engines")
         table.select(select_row, [table, selected], [selected, opened_id])
         open_btn.click(open_run, [opened_id, show_rejected],
                        [old_base, old_spec, old_figures, old_steps, old_pos, old_tokens, info])
-        delete_btn.click(delete_runs, [selected, filter_cat], [selected, table])
+        delete_btn.click(delete_runs, [selected, filter_cat, page_no], [selected, *history_page])
         export_sel.click(lambda s: export(s, False), selected, files)
         export_all.click(lambda s: export(s, True), selected, files)
 

@@ -1,23 +1,37 @@
 """Every run, saved in a SQLite file (sqlite-utils): settings, prompt, outputs, all token events, metrics, status.
 
 Tables: runs (one row per comparison), tokens, steps and policy (the engine's events, per engine), so that a past
-run can be rebuilt event for event. The file uses WAL journaling and short transactions: a process killed
-mid-run leaves a readable database, and the run it was doing is marked "interrupted" at the next start.
+run can be rebuilt event for event. The file uses WAL journaling and short transactions. While a run goes on, its
+new events are appended about once a second (`save_events`); the end of the run writes the rest and the summary.
+A process killed mid-run therefore leaves a readable database with the tokens the run had streamed, and the run is
+marked "interrupted" the next time the file is opened.
+
+Each run records its owner (host, pid, and when that process started), so that a second console or `launch.py
+suite` on the same file marks only the runs of processes that are gone: on this host, a run whose owner pid no
+longer runs, or now belongs to a process that started at another time. Runs of another host cannot be checked;
+they are marked only once older than FOREIGN_RUN_MAX_AGE.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import re
+import socket
 import sqlite3
 import threading
 import uuid
 from dataclasses import asdict
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import sqlite_utils
 
 from engine.events import PolicyEvent, RunResult, StepRecord, TokenEvent, TokenKind
+from engine.metrics import run_metrics
+
+log = logging.getLogger(__name__)
 
 
 class HistoryError(RuntimeError):
@@ -33,6 +47,8 @@ RUN_COLUMNS = {
     "speculative_tps": float, "identical": int, "first_divergence": int,
     # trust: was the machine busy with other work during the run; is the sampled output as likely as the target's
     "noisy": int, "sampling_check": str, "nll_baseline": float, "nll_speculative": float, "repeat": int,
+    # the process that runs it: a run is "interrupted" only once this process is gone
+    "owner_host": str, "owner_pid": int, "owner_started": str,
 }
 
 
@@ -44,26 +60,119 @@ EVENT_TABLES = {  # the engines' events, one row each, keyed by run and engine
     "policy": {"run_id": str, "engine": str, "step": int, "action": str, "k": int, "reason": str, "time_s": float},
 }
 
+# The columns of the History tab's table: never the outputs, metrics or events, so that a page of a long history
+# reads a few kilobytes.
+LIST_COLUMNS = ("id", "created_at", "status", "category", "mode", "method", "speedup", "acceptance_rate", "identical",
+                "noisy", "sampling_check")
+
+# A run of another host cannot be checked for life; none takes a day, so one that "runs" longer is a dead process's.
+FOREIGN_RUN_MAX_AGE = timedelta(hours=24)
+
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+INTERRUPTED = ("the process running it ended before the run did (killed, crashed or the machine stopped); the tokens "
+               "it had streamed are kept")
+
 
 def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def process_start(pid: int) -> str | None:
+    """When process `pid` started ("boot id:clock ticks since boot", from Linux's /proc), or None if there is no
+    such process (or no /proc). With the pid it names one process: a later process that reuses the pid has another
+    start."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}:{stat.rsplit(')', 1)[1].split()[19]}"  # field 22; the name before ")" may hold spaces
+    except (OSError, IndexError):
+        return None
+
+
+def owner() -> dict:
+    """This process, as a run's owner."""
+    return {"owner_host": socket.gethostname(), "owner_pid": os.getpid(), "owner_started": process_start(os.getpid())}
+
+
+def owner_gone(run: dict, host: str, at: datetime) -> bool:
+    """Whether the process that owns this 'running' run is gone (see the module's docstring)."""
+    if run["owner_pid"] is None:  # saved by a version that did not record owners
+        return True
+    if run["owner_host"] != host:
+        try:
+            created = datetime.fromisoformat(run["created_at"])
+        except (TypeError, ValueError):  # no date: nothing says it is old
+            return False
+        return at - (created if created.tzinfo else created.replace(tzinfo=timezone.utc)) > FOREIGN_RUN_MAX_AGE
+    if Path("/proc/self/stat").exists():
+        return process_start(run["owner_pid"]) != run["owner_started"]
+    try:  # no /proc: a live pid is all we can check
+        os.kill(run["owner_pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False
+
+
+class EventLog:
+    """Which of one run's events are in the database, so that each is written once: `save_events` appends what
+    came since the last save, `finish_run` the rest. A saved token that an engine re-classifies later (vLLM tells
+    the kinds when a request ends) is rewritten in place."""
+
+    def __init__(self, run_id: str):
+        self.run_id = run_id
+        self.counts: dict[tuple[str, str], int] = {}  # (engine, table) -> rows saved
+        self.tokens: dict[str, list[dict]] = {}  # engine -> its token rows as saved
+
+    def pending(self, results: dict[str, RunResult], changes: bool = False) -> tuple[dict, list[dict]]:
+        """(table -> new rows, token rows that changed since they were saved; only looked for when `changes`)."""
+        new: dict[str, list[dict]] = {table: [] for table in EVENT_TABLES}
+        changed = []
+        for engine, r in results.items():
+            key = {"run_id": self.run_id, "engine": engine}
+            n = self.counts.get((engine, "tokens"), 0)
+            new["tokens"] += [key | {"seq": i, **_token_row(t)} for i, t in enumerate(r.tokens[n:], n)]
+            if changes:  # the saved rows, compared with the same tokens now
+                rows = [key | {"seq": i, **_token_row(t)} for i, t in enumerate(r.tokens[:n])]
+                changed += [row for row, before in zip(rows, self.tokens.get(engine, [])) if row != before]
+            n = self.counts.get((engine, "steps"), 0)
+            new["steps"] += [key | asdict(s) for s in r.steps[n:]]
+            n = self.counts.get((engine, "policy"), 0)
+            new["policy"] += [key | asdict(p) for p in r.policy[n:]]
+        return new, changed
+
+    def saved(self, new: dict[str, list[dict]], changed: list[dict]) -> None:
+        """Count rows that were written."""
+        for table, rows in new.items():
+            for row in rows:
+                key = (row["engine"], table)
+                self.counts[key] = self.counts.get(key, 0) + 1
+                if table == "tokens":
+                    self.tokens.setdefault(row["engine"], []).append(row)
+        for row in changed:
+            self.tokens[row["engine"]][row["seq"]] = row
 
 
 class History:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.lock = threading.Lock()  # one writer at a time across browser tabs
+        self.unsaved: dict[str, str] = {}  # runs whose last write failed (full disk): run id -> why
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             conn = sqlite3.connect(self.path, check_same_thread=False, timeout=30)
             conn.execute("PRAGMA journal_mode=WAL")
+            # WAL with synchronous=NORMAL: a commit is not fsync'ed (a checkpoint is), so the saves during a run
+            # cost little; a killed process loses nothing, a power cut at most the last second or so
+            conn.execute("PRAGMA synchronous=NORMAL")
             ok = conn.execute("PRAGMA quick_check").fetchone()[0]
             if ok != "ok":
                 raise sqlite3.DatabaseError(ok)
             self.db = sqlite_utils.Database(conn)
             self._create()
-            self.db.execute("UPDATE runs SET status = 'interrupted' WHERE status = 'running'")
-            conn.commit()
+            self._mark_interrupted()
         except (sqlite3.DatabaseError, OSError) as e:
             raise HistoryError(
                 f"the history database {self.path} cannot be used ({e}). Move the file away to start a new history, "
@@ -76,25 +185,77 @@ class History:
         for name, kind in RUN_COLUMNS.items():  # a database from an older version gains the new columns
             if name not in runs.columns_dict:
                 runs.add_column(name, kind)
-        for column in ("category", "created_at", "suite_id"):
-            runs.create_index([column], if_not_exists=True)
+        for columns in (["created_at"], ["suite_id"], ["status"], ["category", "created_at"]):
+            runs.create_index(columns, if_not_exists=True)
+        self.db.execute("DROP INDEX IF EXISTS idx_runs_category")  # covered by (category, created_at)
         for table, columns in EVENT_TABLES.items():
             self.db[table].create(columns, foreign_keys=[("run_id", "runs", "id")], if_not_exists=True)
-            self.db[table].create_index(["run_id"], if_not_exists=True)
+            # tokens are read per run and engine in order (rebuilding a run, the CSV export): one index does it all
+            self.db[table].create_index(["run_id", "engine", "seq"] if table == "tokens" else ["run_id"],
+                                        if_not_exists=True)
+        self.db.execute("DROP INDEX IF EXISTS idx_tokens_run_id")
+
+    def _mark_interrupted(self) -> None:
+        """Runs left 'running' by a process that is gone: 'interrupted', with the output they had streamed."""
+        host, at = socket.gethostname(), datetime.now(timezone.utc)
+        running = self.db.query("SELECT id, created_at, owner_host, owner_pid, owner_started FROM runs "
+                                "WHERE status = 'running'")
+        gone = [r["id"] for r in running if owner_gone(r, host, at)]
+        if not gone:
+            return
+        try:
+            with self.db.atomic():
+                for run_id in gone:
+                    outputs = {f"{e}_output": self._streamed_text(run_id, e) for e in ("baseline", "speculative")}
+                    self.db.execute(
+                        "UPDATE runs SET status = 'interrupted', error = coalesce(error, ?), baseline_output = "
+                        "coalesce(baseline_output, ?), speculative_output = coalesce(speculative_output, ?) WHERE id = ?",
+                        [INTERRUPTED, outputs["baseline_output"], outputs["speculative_output"], run_id])
+        except sqlite3.OperationalError as e:  # a full disk: the history can still be read; marked at a later start
+            log.warning("could not mark %d run(s) of ended processes as interrupted: %s", len(gone), e)
+            return
+        log.info("marked %d run(s) of ended processes as interrupted: %s", len(gone), ", ".join(gone))
+
+    def _streamed_text(self, run_id: str, engine: str) -> str | None:
+        rows = self.db.execute("SELECT text FROM tokens WHERE run_id = ? AND engine = ? AND kind != 'rejected' "
+                               "ORDER BY seq", [run_id, engine]).fetchall()
+        return "".join(text or "" for (text,) in rows) if rows else None
 
     # --- writing ---------------------------------------------------------------------------------------------------
 
     def start_run(self, **fields) -> str:
         run_id = uuid.uuid4().hex[:12]
-        row = {"id": run_id, "created_at": now(), "status": "running", **fields}
+        row = {"id": run_id, "created_at": now(), "status": "running", **owner(), **fields}
         if isinstance(row.get("settings"), dict):
             row["settings"] = json.dumps(row["settings"])
-        self._write(lambda: self.db["runs"].insert(row))
+
+        def write():
+            with self.db.atomic():
+                self._close_unsaved()
+                self.db["runs"].insert(row)
+
+        self._write(write)
         return run_id
 
+    def save_events(self, saved: EventLog, results: dict[str, RunResult]) -> None:
+        """Append the events that came since the last save, in one short transaction (called during a run)."""
+        new, _ = saved.pending(results)
+        if not any(new.values()):
+            return
+
+        def write():
+            with self.db.atomic():
+                for table, rows in new.items():
+                    self._insert(table, rows)
+
+        self._write(write, saved.run_id)
+        saved.saved(new, [])
+
     def finish_run(self, run_id: str, status: str, results: dict[str, RunResult], comparison: dict,
-                   error: str | None = None) -> None:
-        """Store both engines' results and events in one transaction."""
+                   error: str | None = None, saved: EventLog | None = None) -> None:
+        """Store the summary and the events not saved yet (`saved`: what the run saved while it ran), in one
+        transaction."""
+        saved = saved or EventLog(run_id)
         b, s = results.get("baseline"), results.get("speculative")
         update = {
             "finished_at": now(), "status": status, "error": error,
@@ -113,33 +274,57 @@ class History:
             "sampling_check": comparison.get("sampling_check"),
             "nll_baseline": comparison.get("nll_baseline"), "nll_speculative": comparison.get("nll_speculative"),
         }
+        new, changed = saved.pending(results, changes=True)
 
         def write():
-            with self.db.conn:
+            with self.db.atomic():
                 self.db["runs"].update(run_id, update)
-                for engine, r in results.items():
-                    self.db["tokens"].insert_all(
-                        {"run_id": run_id, "engine": engine, "seq": i, **_token_row(t)} for i, t in enumerate(r.tokens)
-                    )
-                    self.db["steps"].insert_all({"run_id": run_id, "engine": engine, **asdict(st)} for st in r.steps)
-                    self.db["policy"].insert_all({"run_id": run_id, "engine": engine, **asdict(p)} for p in r.policy)
+                for table, rows in new.items():
+                    self._insert(table, rows)
+                columns = [c for c in EVENT_TABLES["tokens"] if c not in ("run_id", "engine", "seq")]
+                self.db.conn.executemany(
+                    f"UPDATE tokens SET {', '.join(f'{c} = :{c}' for c in columns)} "
+                    "WHERE run_id = :run_id AND engine = :engine AND seq = :seq", changed)
 
-        self._write(write)
+        self._write(write, run_id)
+        saved.saved(new, changed)
+        self.unsaved.pop(run_id, None)
 
     def delete(self, run_ids: list[str]) -> None:
+        """Delete runs and their events, in one transaction."""
+        ids = json.dumps(run_ids)
+
         def write():
-            with self.db.conn:
+            with self.db.atomic():
                 for table in EVENT_TABLES:
-                    self.db[table].delete_where("run_id IN (SELECT value FROM json_each(?))", [json.dumps(run_ids)])
-                self.db["runs"].delete_where("id IN (SELECT value FROM json_each(?))", [json.dumps(run_ids)])
+                    self.db.execute(f"DELETE FROM {table} WHERE run_id IN (SELECT value FROM json_each(?))", [ids])
+                self.db.execute("DELETE FROM runs WHERE id IN (SELECT value FROM json_each(?))", [ids])
 
         self._write(write)
 
-    def _write(self, fn) -> None:
+    def _insert(self, table: str, rows: list[dict]) -> None:
+        columns = list(EVENT_TABLES[table])
+        self.db.conn.executemany(
+            f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})",
+            [[row.get(c) for c in columns] for row in rows])
+
+    def _close_unsaved(self) -> None:
+        """Runs whose saving failed earlier (the disk was full) stay 'running' in the file: once the file takes
+        writes again, say what happened to them."""
+        for run_id, why in list(self.unsaved.items()):
+            self.db.execute("UPDATE runs SET status = 'interrupted', error = ? WHERE id = ? AND status = 'running'",
+                            [f"the run was not saved completely: {why}", run_id])
+        self.unsaved.clear()
+
+    def _write(self, fn, run_id: str | None = None) -> None:
         with self.lock:
             try:
                 fn()
-            except sqlite3.OperationalError as e:
+            except sqlite3.DatabaseError as e:  # full disk, read-only file, lost directory, ...
+                if self.db.conn.in_transaction:
+                    self.db.conn.rollback()
+                if run_id is not None:
+                    self.unsaved[run_id] = str(e)
                 raise HistoryError(f"could not write to {self.path}: {e}") from e
 
     # --- reading ---------------------------------------------------------------------------------------------------
@@ -149,6 +334,18 @@ class History:
         where = " AND ".join(c for c, _ in clauses) or None
         args = [v for _, v in clauses] or None
         return list(self.db["runs"].rows_where(where, args, order_by="created_at desc, rowid desc", limit=limit))
+
+    def page(self, category: str | None = None, page: int = 1, size: int = 100) -> tuple[list[dict], int, int]:
+        """One page of runs for the History tab, newest first (only LIST_COLUMNS and the prompt's start): (rows, how
+        many runs match, the page number kept in range). Both queries are answered from the indexes on created_at
+        and (category, created_at)."""
+        where, args = ("WHERE category = ?", [category]) if category else ("", [])
+        total = self.db.execute(f"SELECT count(*) FROM runs {where}", args).fetchone()[0]
+        page = min(max(page, 1), max(1, -(-total // size)))
+        rows = list(self.db.query(
+            f"SELECT {', '.join(LIST_COLUMNS)}, substr(prompt, 1, 80) AS prompt FROM runs {where} "
+            "ORDER BY created_at DESC, rowid DESC LIMIT ? OFFSET ?", [*args, size, (page - 1) * size]))
+        return rows, total, page
 
     def suites(self) -> list[dict]:
         return list(self.db.query(
@@ -162,17 +359,19 @@ class History:
         return rows[0] if rows else None
 
     def results(self, run_id: str) -> dict[str, RunResult]:
-        """Rebuild both engines' RunResults from the stored events."""
+        """Rebuild both engines' RunResults from the stored events (of an interrupted run: what it had streamed,
+        with its metrics computed from that)."""
         row = self.run(run_id)
         if row is None:
             return {}
         out = {}
         for engine in ("baseline", "speculative"):
-            if row.get(f"{engine}_metrics") is None and row.get(f"{engine}_output") is None:
+            tokens = [_token(t) for t in self.db["tokens"].rows_where("run_id = ? AND engine = ?", [run_id, engine],
+                                                                      order_by="seq")]
+            if row.get(f"{engine}_metrics") is None and row.get(f"{engine}_output") is None and not tokens:
                 continue
             r = RunResult(engine=engine, method=row["method"] if engine == "speculative" else "none", prompt_tokens=0)
-            r.tokens = [_token(t) for t in self.db["tokens"].rows_where("run_id = ? AND engine = ?", [run_id, engine],
-                                                                       order_by="seq")]
+            r.tokens = tokens
             r.steps = [StepRecord(**{k: st[k] for k in StepRecord.__dataclass_fields__})
                        for st in self.db["steps"].rows_where("run_id = ? AND engine = ?", [run_id, engine], order_by="rowid")]
             r.policy = [PolicyEvent(**{k: p[k] for k in PolicyEvent.__dataclass_fields__})
@@ -181,19 +380,20 @@ class History:
             r.output_ids = [t.token_id for t in r.output_tokens]
             r.metrics = json.loads(row.get(f"{engine}_metrics") or "{}")
             r.error = row.get(f"{engine}_error")
+            if not r.metrics and (r.tokens or r.steps):  # never finished: measure what there is
+                r.total_s = max([t.time_s for t in r.tokens] + [s.time_s for s in r.steps])
+                r.metrics = run_metrics(r)
             out[engine] = r
         return out
-
-    def tokens(self, run_ids: list[str]) -> list[dict]:
-        return list(self.db.query(
-            "SELECT * FROM tokens WHERE run_id IN (SELECT value FROM json_each(?)) ORDER BY run_id, engine, seq",
-            [json.dumps(run_ids)],
-        ))
 
 
 def _token_row(t: TokenEvent) -> dict:
     row = t.to_dict()
     row["idx"] = row.pop("index")  # the output position; "index" reads badly in SQL
+    try:
+        row["text"].encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (half an emoji from a server's stream) is not UTF-8: store U+FFFD
+        row["text"] = LONE_SURROGATE.sub("\ufffd", row["text"])
     return row
 
 

@@ -20,6 +20,7 @@ class ModelHost:
         self.stage, self.done, self.total = "waiting to load", 0.0, 1.0
         self.started = time.monotonic()
         self.lock = threading.Lock()  # one comparison at a time: both engines share these models
+        self.closed = False
         self._thread = threading.Thread(target=self._load, daemon=True, name="specconsole-loader")
 
     def start(self) -> "ModelHost":
@@ -31,7 +32,12 @@ class ModelHost:
 
     def _load(self) -> None:
         try:
-            self.backend = self.factory(self._progress)
+            backend = self.factory(self._progress)
+            if self.closed:  # the console ended while the servers were starting: stop them now
+                if hasattr(backend, "close"):
+                    backend.close()
+                return
+            self.backend = backend
             self.stage = "ready"
             log.info("models ready after %.0f s", time.monotonic() - self.started)
         except Exception as e:  # noqa: BLE001 - shown in the page; the console stays up
@@ -55,5 +61,8 @@ class ModelHost:
         return f"Loading {self.label}: {self.stage} ({pct:.0f}%, {time.monotonic() - self.started:.0f} s)"
 
     def close(self) -> None:
-        if self.backend is not None and hasattr(self.backend, "close"):
-            self.backend.close()
+        """Stop what the backend started (managed vLLM servers); safe to call more than once."""
+        self.closed = True
+        backend, self.backend = self.backend, None
+        if backend is not None and hasattr(backend, "close"):
+            backend.close()

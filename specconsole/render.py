@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from html import escape
 
 from engine.events import RunResult, TokenEvent, TokenKind
@@ -26,10 +27,16 @@ def _title(t: TokenEvent) -> str:
     return ", ".join(parts)
 
 
+# Embedding, override and isolate controls (U+202A-U+202E, U+2066-U+2069) in model text would re-order every token
+# after them in the panel; such a token is isolated, so that they act on its own text only.
+BIDI_CONTROLS = re.compile("[\u202a-\u202e\u2066-\u2069]")
+
+
 def token_span(t: TokenEvent) -> str:
     text = escape(t.text, quote=True) or "&#8203;"
     tag = "del" if t.kind == TokenKind.REJECTED else "span"
-    return f'<{tag} class="tok {t.kind.value}" title="{escape(_title(t), quote=True)}">{text}</{tag}>'
+    isolate = ' style="unicode-bidi:isolate"' if BIDI_CONTROLS.search(t.text) else ""
+    return f'<{tag} class="tok {t.kind.value}" title="{escape(_title(t), quote=True)}"{isolate}>{text}</{tag}>'
 
 
 def tokens_html(tokens: list[TokenEvent], show_rejected: bool = True, error: str | None = None,
@@ -88,6 +95,27 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
     return "–" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _bound_unknown(speculative: RunResult | None, comparison: dict) -> bool:
+    """A finished run without the bound: its inputs (draft and verify costs, steps with drafts) were not measured."""
+    return bool(speculative and speculative.finish_reason) and comparison.get("theoretical_bound") is None
+
+
+def _sampling_check_rows(comparison: dict) -> list[tuple[str, str]]:
+    """The sampling check of a sampled run (engine.check) and the likelihoods it rests on."""
+    if not comparison.get("sampling_check") and not comparison.get("sampling_check_reason"):
+        return []  # greedy (checked token for token), or not finished yet
+    status = comparison["sampling_check"]
+    label = {"ok": '<span class="exact ok">✔ ok</span>', "suspect": '<span class="exact diverged">✖ suspect</span>'}
+    note = f'<div class="fig-note">{escape(comparison.get("sampling_check_reason") or "")}</div>'
+    rows = [("sampling check", label.get(status, "not checked") + note)]
+    if comparison.get("nll_baseline") is not None:
+        rows.append(("NLL nats/token (baseline | speculative)",
+                     f'{comparison["nll_baseline"]:.2f} | {comparison["nll_speculative"]:.2f}'
+                     f'<div class="fig-note">perplexity {comparison["perplexity_baseline"]:.1f} | '
+                     f'{comparison["perplexity_speculative"]:.1f}</div>'))
+    return rows
+
+
 def figures_html(baseline: RunResult | None, speculative: RunResult | None, comparison: dict, mode: str,
                  rolling_acceptance: float | None) -> str:
     b = baseline.metrics if baseline else {}
@@ -102,13 +130,16 @@ def figures_html(baseline: RunResult | None, speculative: RunResult | None, comp
     rows = [
         ("tokens/s (baseline | speculative)", f'{_fmt(b.get("tokens_per_s"), ".2f")} | {_fmt(s.get("tokens_per_s"), ".2f")}'),
         ("speedup", _fmt(comparison.get("speedup"), ".2f", "×")),
+        *_sampling_check_rows(comparison),
         ("acceptance (all | last 8 steps)", f'{_fmt(s.get("acceptance_rate"), ".2f")} | {_fmt(rolling_acceptance, ".2f")}'),
         ("mean accepted length", _fmt(s.get("mean_accepted_length"), ".2f")),
         ("TTFT ms (baseline | speculative)", f'{_fmt(b.get("ttft_ms"), ".0f")} | {_fmt(s.get("ttft_ms"), ".0f")}'),
         ("TPOT ms (baseline | speculative)", f'{_fmt(b.get("tpot_ms"), ".1f")} | {_fmt(s.get("tpot_ms"), ".1f")}'),
-        ("target passes saved", f'{s.get("passes_saved", "–")} of {s.get("output_tokens", "–")}'),
-        ("bound: ideal | this machine", f'{_fmt(comparison.get("theoretical_bound"), ".2f", "×")} | '
-                                        f'{_fmt(comparison.get("machine_bound"), ".2f", "×")}'),
+        ("target passes saved", "unknown" if "passes_saved" in s and s["passes_saved"] is None
+                                else f'{s.get("passes_saved", "–")} of {s.get("output_tokens", "–")}'),
+        ("bound: ideal | this machine", "unknown" if _bound_unknown(speculative, comparison)
+                                        else f'{_fmt(comparison.get("theoretical_bound"), ".2f", "×")} | '
+                                             f'{_fmt(comparison.get("machine_bound"), ".2f", "×")}'),
         ("efficiency (speedup / machine bound)", _fmt(comparison.get("efficiency"), ".2f")),
         ("fallbacks", str(s.get("fallback_count", "–"))),
     ]

@@ -7,6 +7,10 @@ Two modes, shown and saved with every run:
   during a timed pass either.
 - race: both engines run at once in two threads, on wall-clock time, sharing the machine.
 
+While the run goes on, poll() appends the new events to the history about once a second (under `ui_lock`, so never
+during a timed pass), so that a killed console leaves what the run had streamed; the end of the run saves the rest.
+A write that fails (a full disk) is reported in `save_error`; the run itself goes on and stays on screen.
+
 A backend says how it is fair (`fair_strategy`): the local backend alternates passes; vLLM servers that own their
 cores or GPU share run in parallel; servers someone else runs are asked one after the other.
 """
@@ -19,15 +23,17 @@ import threading
 import time
 from dataclasses import asdict
 
+from engine.check import sampling_check
 from engine.events import Event, RunResult, StepRecord
 from engine.metrics import compare, run_metrics
-from specconsole.history import History
+from specconsole.history import EventLog, History, HistoryError
 from specconsole.machine import MachineLoad
 
 log = logging.getLogger(__name__)
 
 ENGINES = ("baseline", "speculative")
 MODES = ("fair", "race")
+SAVE_EVERY_S = 1.0  # how often a running comparison appends its new events to the history
 
 
 class EngineClock:
@@ -86,18 +92,25 @@ class Comparison:
         self.run_id: str | None = None
         self.saved = False
         self.save_error: str | None = None
+        self.saved_events: EventLog | None = None  # what of this run's events the history has
+        self._saved_at = 0.0
         self.ui_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self.load: MachineLoad | None = None
         self.machine: dict = {}  # other processes' CPU use during the run, once it finished
+        self.check: dict = {}  # the sampling check (engine.check), once both engines finished
 
     # --- running ---------------------------------------------------------------------------------------------------
 
     def start(self) -> None:
         self.load = MachineLoad()
         if self.history is not None:
-            self.run_id = self.history.start_run(mode=self.mode, settings=_settings(self.request),
-                                                 prompt=self.request.prompt, **self.meta)
+            try:
+                self.run_id = self.history.start_run(mode=self.mode, settings=_settings(self.request),
+                                                     prompt=self.request.prompt, **self.meta)
+                self.saved_events = EventLog(self.run_id)
+            except HistoryError as e:  # the run goes on, on screen only
+                self._save_failed(e)
         strategy = getattr(self.backend, "fair_strategy", "alternate") if self.mode == "fair" else "parallel"
         if strategy != "parallel":
             step = StepRecord if strategy == "alternate" else RunResult
@@ -160,6 +173,8 @@ class Comparison:
         except queue.Empty:
             pass
         done = all(r.finished for r in self.live.values())
+        if not done:
+            self._save_progress()
         if done and self.load is not None and not self.machine:
             self.machine = self.load.result()
         if done and not self.saved:
@@ -172,7 +187,7 @@ class Comparison:
 
     def comparison(self, results: dict[str, RunResult] | None = None) -> dict:
         r = results or self.results
-        return compare(r["baseline"], r["speculative"], self.request.sampling.greedy) | self.machine
+        return compare(r["baseline"], r["speculative"], self.request.sampling.greedy) | self.machine | self.check
 
     @property
     def status(self) -> str:
@@ -188,16 +203,35 @@ class Comparison:
         errors = [f"{e}: {r.error}" for e, r in self.results.items() if r.error]
         return "; ".join(errors) or None
 
+    def _save_progress(self) -> None:
+        """Append the events that came since the last save, at most once every SAVE_EVERY_S."""
+        if self.saved_events is None or time.monotonic() - self._saved_at < SAVE_EVERY_S:
+            return
+        self._saved_at = time.monotonic()
+        with self.ui_lock:  # fair mode: between two timed passes, like the page's own work
+            try:
+                self.history.save_events(self.saved_events, {e: self.live[e].result for e in ENGINES})
+            except HistoryError as e:  # tried again at the next save: nothing is counted as saved
+                self._save_failed(e)
+
     def _save(self) -> None:
         self.saved = True
-        if self.history is None or self.run_id is None:
+        self.check = sampling_check(self.backend, self.request, self.results)  # both finished: nothing is timed
+        if self.history is None or self.saved_events is None:
             return
         try:
             results = self.results
-            self.history.finish_run(self.run_id, self.status, results, self.comparison(results), self.error)
-        except Exception:  # noqa: BLE001 - never lose the on-screen result because the disk failed
-            log.exception("could not save run %s", self.run_id)
-            self.save_error = f"the run could not be saved to {self.history.path}"
+            self.history.finish_run(self.run_id, self.status, results, self.comparison(results), self.error,
+                                    saved=self.saved_events)
+            self.save_error = None  # a failed save during the run was made good: everything is in
+        except Exception as e:  # noqa: BLE001 - never lose the on-screen result because the disk failed
+            self._save_failed(e)
+
+    def _save_failed(self, error: Exception) -> None:
+        if self.save_error is None:  # once per run: a full disk fails every save after the first
+            log.error("could not save run %s: %s", self.run_id, error, exc_info=not isinstance(error, HistoryError))
+        self.save_error = (f"Not saved in the history: {error}. The run stays on screen and the runs saved before "
+                           "are kept; once the file can be written again (free disk space), the next run is saved.")
 
 
 def _settings(request) -> dict:

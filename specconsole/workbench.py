@@ -152,7 +152,7 @@ def runs_frame(history: History, suite_id: str) -> pd.DataFrame:
             "tpot_ms_baseline": b.get("tpot_ms"), "tpot_ms_speculative": s.get("tpot_ms"),
             "prefill_share": (s.get("prefill_ms") or 0) / total_ms if total_ms else None,
             "machine_bound": c.get("machine_bound"), "efficiency": c.get("efficiency"),
-            "identical": c.get("identical"),
+            "identical": c.get("identical"), "sampling_check": c.get("sampling_check"),
         })
     return pd.DataFrame(rows)
 
@@ -176,6 +176,11 @@ def _cv(values) -> float | None:
     """Coefficient of variation (sample standard deviation / mean); None with fewer than two values."""
     values = _present(values)
     return stdev(values) / mean(values) if len(values) >= 2 and mean(values) else None
+
+
+def _suspects(verdicts) -> str:
+    checked = [v for v in verdicts if v in ("ok", "suspect")]
+    return f"{checked.count('suspect')} suspect of {len(checked)}" if checked else ""
 
 
 def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
@@ -210,6 +215,8 @@ def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
             "prefill_share": med("prefill_share"), "machine_bound": med("machine_bound"),
             "efficiency": med("efficiency"),
             "identical": f"{sum(v is True for v in g['identical'])}/{sum(v is not None for v in g['identical'])}",
+            # sampled runs: how many the sampling check (engine.check) found suspect, of those it checked
+            "sampling_check": _suspects(g.get("sampling_check", [])),
         })
     return pd.DataFrame(rows)
 

@@ -119,9 +119,12 @@ def test_engine_error_fails_one_panel_and_saves(backend, tmp_path, monkeypatch):
 
 
 def test_interrupted_run_is_marked_at_next_start(tmp_path):
-    history = History(tmp_path / "h.db")
-    run_id = history.start_run(category="code", prompt="x")
-    del history
+    """A run whose process ended without finishing it (here: a real process that exits) is interrupted."""
+    import subprocess
+    import sys
+
+    code = f"from specconsole.history import History; print(History({str(tmp_path / 'h.db')!r}).start_run(prompt='x'))"
+    run_id = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
     assert History(tmp_path / "h.db").run(run_id)["status"] == "interrupted"
 
 

@@ -1,11 +1,13 @@
-"""vLLM backend logic without a server: config building, classification from per-step arrays, /metrics parsing."""
+"""vLLM backend logic without a server: config building, classification from per-step arrays (and the n-gram
+replay that places steps without drafts), /metrics parsing."""
 
 import json
 
 import pytest
 
 from engine.events import TokenKind
-from engine.vllm_backend import ServerConfig, VLLMError, classify, metrics_delta, parse_metrics, speculative_config
+from engine.vllm_backend import ServerConfig, VLLMError, metrics_delta, parse_metrics, speculative_config
+from engine.vllm_steps import classify, kinds, ngram_proposal, replay_ngram
 
 A, B, REC, BASE = TokenKind.ACCEPTED, TokenKind.BONUS, TokenKind.RECOVERED, TokenKind.BASELINE
 
@@ -39,19 +41,49 @@ def test_server_commands():
 
 def test_classify_all_kinds():
     # prefill token, step 1: 2 of 3 accepted, step 2: 3 of 3 accepted (+bonus), step 3: nothing drafted
-    kinds = classify(1 + 3 + 4 + 1, [2, 3, 0], [3, 3, 0])
-    assert [k for k, _, _ in kinds] == [BASE, A, A, REC, A, A, A, B, BASE]
-    assert [(s, p) for _, s, p in kinds][:4] == [(0, 0), (1, 0), (1, 1), (1, 2)]
+    steps = classify(1 + 3 + 4 + 1, [2, 3, 0], [3, 3, 0])
+    placed = kinds(steps, 9)
+    assert [k for k, _, _ in placed] == [BASE, A, A, REC, A, A, A, B, BASE]
+    assert [(s, p) for _, s, p in placed][:4] == [(0, 0), (1, 0), (1, 1), (1, 2)]
 
 
 def test_classify_last_step_cut_by_a_stop():
-    kinds = classify(1 + 5 + 2, [4, 4], [4, 4])  # EOS among the second step's accepted drafts
-    assert [k for k, _, _ in kinds] == [BASE, A, A, A, A, B, A, A]
+    steps = classify(1 + 5 + 2, [4, 4], [4, 4])  # EOS among the second step's accepted drafts
+    assert [k for k, _, _ in kinds(steps, 8)] == [BASE, A, A, A, A, B, A, A]
 
 
 def test_classify_refuses_counts_that_do_not_add_up():
-    assert classify(20, [1, 1], [4, 4]) is None  # too few steps for 20 tokens
+    assert classify(20, [1, 1], [4, 4]) is None  # too few steps for 20 tokens (steps without drafts are missing)
     assert classify(3, [4, 4], [4, 4]) is None  # the second step would have produced nothing
+
+
+NGRAM = speculative_config("ngram", 3)
+
+
+def test_ngram_proposal_is_vllms_lookup():
+    assert ngram_proposal([5, 6, 7, 8, 5, 6], 1, 4, 3, 2048) == [7, 8, 5]  # suffix "5 6" occurred: what followed
+    assert ngram_proposal([5, 6, 7, 9], 1, 4, 3, 2048) == []  # 9 never occurred before
+    assert ngram_proposal([5, 6, 7, 8, 5, 6], 1, 4, 3, 7) == [7]  # one position left before max_model_len
+    assert ngram_proposal([1, 2, 3, 1, 2], 3, 4, 3, 2048) == []  # a match shorter than prompt_lookup_min
+
+
+def test_replay_places_steps_without_drafts():
+    prompt = [10, 11, 12, 13]
+    # prefill -> 20; 20 never seen: plain step -> 10; "10" seen: drafts [11, 12, 13], 2 accepted, recovered 99;
+    # 99 unseen: plain step -> 21
+    output = [20, 10, 11, 12, 99, 21]
+    steps = replay_ngram(prompt, output, [2], [3], NGRAM, 2048)
+    assert steps == [(0, 0), (0, 0), (3, 2), (0, 0)]
+    assert [k for k, _, _ in kinds(steps, len(output))] == [BASE, BASE, A, A, REC, BASE]
+    assert classify(len(output), [2], [3]) is None  # the arrays alone cannot place them
+
+
+def test_replay_refuses_what_the_arrays_contradict():
+    prompt, output = [10, 11, 12, 13], [20, 10, 11, 12, 99, 21]
+    assert replay_ngram(prompt, output, [2], [2], NGRAM, 2048) is None  # the proposer drafted 3, not 2
+    assert replay_ngram(prompt, output, [3], [3], NGRAM, 2048) is None  # 99 is not the draft 13
+    assert replay_ngram(prompt, [20, 10, 11, 12, 99], [1], [3], NGRAM, 2048) is None  # "recovered" 12 = its draft
+    assert replay_ngram(prompt, output, [2, 0], [3, 3], NGRAM, 2048) is None  # a step the replay never saw
 
 
 def test_parse_metrics_and_delta():

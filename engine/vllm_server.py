@@ -1,0 +1,289 @@
+"""vLLM server processes the console starts and stops: command line, environment, start-up, and the guarantee that
+none outlives its console.
+
+Each server runs under engine/server_guard.py, in a session of its own, tied to the console by a pipe: when the
+console ends for any reason (even SIGKILL) the guard stops the server and its children. Each managed port is
+recorded (cache_dir()/servers/PORT.json: the guard's pid, the console's pid); at start, a port still held is either
+freed, when the record shows it belongs to a console that is gone, or reported with the holder's pid and how to
+stop it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+from engine.weights import cache_dir
+
+log = logging.getLogger(__name__)
+
+GUARD = Path(__file__).resolve().parent / "server_guard.py"
+
+
+class VLLMError(RuntimeError):
+    """A server that cannot be started, reached or trusted; the message says why (with its log's tail)."""
+
+
+@dataclass
+class ServerConfig:
+    role: str  # "baseline" | "speculative"
+    model: str
+    port: int
+    python: str = sys.executable  # vLLM may live in its own virtualenv
+    speculative: dict | None = None
+    gpu: bool = False
+    gpu_memory_utilization: float = 0.45
+    cpu_core: int | None = None  # on CPU: the core this server's threads are bound to
+    kv_cache_gb: int = 1
+    max_model_len: int = 2048
+    served_name: str = "target"
+    extra_args: list[str] = field(default_factory=list)
+    extra_env: dict = field(default_factory=dict)  # e.g. VLLM_* settings for this server only
+
+    def command(self) -> list[str]:
+        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+               "--served-model-name", self.served_name, "--host", "127.0.0.1", "--port", str(self.port),
+               "--max-model-len", str(self.max_model_len), "--enable-per-request-metrics"]
+        if self.gpu:
+            cmd += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        else:
+            cmd += ["--enforce-eager", "--dtype", "float32"]
+        if self.speculative:
+            cmd += ["--speculative-config", json.dumps(self.speculative),
+                    "--per-request-spec-decode-metrics", "detailed"]
+        return cmd + self.extra_args
+
+    def env(self) -> dict:
+        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+        if not self.gpu:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gb)
+            if self.cpu_core is not None:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu_core)
+        return env | self.extra_env
+
+
+class VLLMServer:
+    """One vLLM server process (under its guard) with its log file; start() returns when it answers, or raises
+    with the log's tail."""
+
+    def __init__(self, config: ServerConfig, log_dir: Path):
+        self.config = config
+        self.log_path = log_dir / f"vllm-{config.role}-{config.port}.log"
+        self.proc: subprocess.Popen | None = None  # the guard; its pid is the process group of the server
+        self._lifeline: int | None = None  # the pipe's write end: closed when this process ends
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.config.port}"
+
+    def start(self, timeout: float = 600) -> None:
+        claim_port(self.config.port, self.config.role)
+        log.info("starting the %s vLLM server: %s", self.config.role, " ".join(self.config.command()))
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        read_end, self._lifeline = os.pipe()  # both ends non-inheritable: no other child keeps the pipe open
+        with open(self.log_path, "w") as logfile:
+            self.proc = subprocess.Popen([self.config.python, str(GUARD), str(read_end), "--", *self.config.command()],
+                                         env=self.config.env(), stdout=logfile, stderr=subprocess.STDOUT,
+                                         start_new_session=True, pass_fds=(read_end,))
+        os.close(read_end)
+        record_port(self.config.port, self.config.role, self.proc.pid)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise VLLMError(f"the {self.config.role} vLLM server exited with code {self.proc.returncode} while "
+                                f"starting. End of its log ({self.log_path}):\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    log.info("%s server ready at %s", self.config.role, self.url)
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise VLLMError(f"the {self.config.role} vLLM server did not answer within {timeout:.0f} s. "
+                        f"End of its log ({self.log_path}):\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        """Ask the guard to stop the server (it waits for vLLM's own shutdown); kill the whole group if it hangs."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(40)
+            except subprocess.TimeoutExpired:
+                stop_group(self.proc.pid, grace=0)
+                self.proc.wait(10)
+        if self._lifeline is not None:
+            os.close(self._lifeline)
+            self._lifeline = None
+        if self.proc is not None:
+            forget_port(self.config.port, self.proc.pid)
+
+
+# --- who holds a port --------------------------------------------------------------------------------------------
+
+
+def _record_path(port: int) -> Path:
+    return cache_dir() / "servers" / f"{port}.json"
+
+
+def record_port(port: int, role: str, guard_pid: int) -> None:
+    """Note that this console's server (process group guard_pid) holds `port`."""
+    me = psutil.Process()
+    record = {"port": port, "role": role, "group": guard_pid, "group_created": psutil.Process(guard_pid).create_time(),
+              "console_pid": me.pid, "console_created": me.create_time()}
+    path = _record_path(port)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record))
+        _prune(path.parent)
+    except OSError as e:  # the record only helps the next start; the server itself is fine
+        log.warning("could not record the %s server's port in %s: %s", role, path, e)
+
+
+def _prune(records: Path) -> None:
+    """Drop the records of servers whose process group is empty (a console killed outright leaves its records
+    behind; its guard then stops the server, but cannot know where the console kept the record)."""
+    for path in records.glob("*.json"):
+        try:
+            if not _group_alive(json.loads(path.read_text())["group"]):
+                path.unlink(missing_ok=True)
+        except (OSError, ValueError, KeyError):
+            continue
+
+
+def _group_alive(group: int) -> bool:
+    """Whether a process of this group still runs (zombies, which hold no port and no memory, do not count)."""
+    for p in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(p.pid) == group and p.info["status"] != psutil.STATUS_ZOMBIE:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def forget_port(port: int, guard_pid: int) -> None:
+    path = _record_path(port)
+    try:
+        if json.loads(path.read_text()).get("group") == guard_pid:
+            path.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def listener(port: int) -> psutil.Process | None:
+    """The process listening on 127.0.0.1:port (or any address), if any and if it can be seen."""
+    try:
+        connections = psutil.net_connections(kind="inet")
+    except psutil.AccessDenied:
+        return None
+    for c in connections:
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
+            try:
+                return psutil.Process(c.pid)
+            except psutil.NoSuchProcess:
+                return None
+    return None
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _alive(pid: int, created: float) -> bool:
+    try:
+        return psutil.Process(pid).create_time() == created
+    except psutil.NoSuchProcess:
+        return False
+
+
+def orphan_group(port: int, holder: psutil.Process | None) -> int | None:
+    """The process group of a server a console that is gone left on `port`, as that console recorded it; else None."""
+    try:
+        record = json.loads(_record_path(port).read_text())
+    except (OSError, ValueError):
+        return None
+    if holder is None or _alive(record["console_pid"], record["console_created"]):
+        return None  # a live console's server is in use: never take it
+    try:
+        mine = os.getpgid(holder.pid) == record["group"] and holder.create_time() >= record["group_created"]
+    except (OSError, psutil.NoSuchProcess):
+        return None
+    return record["group"] if mine else None
+
+
+def stop_group(group: int, grace: float = 20.0) -> None:
+    """SIGTERM a process group, then SIGKILL what is left after `grace` seconds."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(group, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if not _group_alive(group):
+                return
+            time.sleep(0.2)
+
+
+def claim_port(port: int, role: str) -> None:
+    """Make sure `port` is free for a new server: free it from an orphan this tool recorded, or explain who holds it."""
+    if not port_in_use(port):
+        return
+    holder = listener(port)
+    group = orphan_group(port, holder)
+    if group is not None:
+        log.warning("port %d is held by a vLLM server an earlier console left running (process group %d): "
+                    "stopping it", port, group)
+        stop_group(group)
+        deadline = time.monotonic() + 10
+        while port_in_use(port) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if not port_in_use(port):
+            _record_path(port).unlink(missing_ok=True)
+            return
+    if holder is None:
+        who, how = "a process this user cannot see", f"Find it with `ss -ltnp 'sport = :{port}'`"
+    else:
+        who = f"pid {holder.pid} ({' '.join(_cmdline(holder))[:160]})"
+        how = f"Stop it with `kill {holder.pid}`" + (
+            f" (its whole process group: `kill -- -{os.getpgid(holder.pid)}`)" if _is_vllm(holder) else "")
+    raise VLLMError(f"port {port} is already in use by {who}: cannot start the {role} server. {how}, "
+                    "or start the console with other ports (--vllm-ports BASELINE,SPECULATIVE).")
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except (psutil.AccessDenied, psutil.NoSuchProcess):
+        return ["?"]
+
+
+def _is_vllm(p: psutil.Process) -> bool:
+    return any("vllm" in part for part in _cmdline(p))
+
+
+def has_gpu() -> bool:
+    try:
+        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False

@@ -1,0 +1,99 @@
+"""Which vLLM step produced each output token, from the per-request arrays a server started with
+`--per-request-spec-decode-metrics detailed` returns (per_step_accepted / per_step_drafted).
+
+The arrays list only the verify steps that had drafts. A step whose proposer found nothing (an n-gram proposer with
+no match, common once a sampled output leaves the prompt's wording) is a plain decoding step and is not in them. When
+the counts show no such step, the arrays alone place every token (`classify`). Otherwise, for the n-gram method, the
+proposer is deterministic: replaying vLLM's own n-gram lookup over prompt + output says at which positions it had
+drafts, and every replayed step is checked against the arrays (drafted count, accepted tokens equal to the drafts,
+a recovered token that differs from the rejected draft) before it is trusted (`replay_ngram`). Where neither works,
+the step counts are still exact, but the token kinds and the number of target passes are not known.
+"""
+
+from __future__ import annotations
+
+from engine.events import TokenKind
+
+Steps = list[tuple[int, int]]  # (drafted, accepted) per target pass, from the prefill (0, 0) on
+
+
+def classify(n_tokens: int, accepted: list[int], drafted: list[int]) -> Steps | None:
+    """The steps when the arrays hold every step after the prefill, or None if the counts don't add up."""
+    steps = [(0, 0)] + list(zip(drafted, accepted))
+    if not (emitted(steps) >= n_tokens and emitted(steps[:-1]) < n_tokens):
+        return None  # the last step must be the one that produced the last token
+    return steps
+
+
+def emitted(steps: Steps) -> int:
+    """Tokens these steps commit: each its accepted drafts plus one token of the target's."""
+    return sum(a + 1 for _, a in steps)
+
+
+def kinds(steps: Steps, n_tokens: int) -> list[tuple[TokenKind, int, int]]:
+    """(kind, step, position in the step) of each output token."""
+    out = []
+    for step, (d, a) in enumerate(steps):
+        out += [(TokenKind.ACCEPTED, step, i) for i in range(a)]
+        out.append((TokenKind.BASELINE if d == 0 else TokenKind.BONUS if a == d else TokenKind.RECOVERED, step, a))
+    return out[:n_tokens]
+
+
+def ngram_proposal(context: list[int], min_n: int, max_n: int, k: int, max_model_len: int) -> list[int]:
+    """vLLM's n-gram proposer (v1/spec_decode/ngram_proposer.py, _find_longest_matched_ngram_and_propose_tokens),
+    line for line: the longest suffix of `context` (min_n..max_n tokens) that occurred before, found with KMP over
+    the reversed context, and up to k tokens that followed it."""
+    total = len(context)
+    if total < min_n:
+        return []
+    k = min(k, max_model_len - total)
+    if k <= 0:
+        return []
+    tokens = context[::-1]
+    lps = [0] * max_n
+    longest, position, prev, i = 0, 0, 0, 1
+    while i < total:
+        if tokens[prev] == tokens[i]:
+            prev += 1
+            if prev >= longest:
+                longest, position = prev, i
+            if i < max_n:
+                lps[i] = prev
+            if prev == max_n:
+                prev = lps[max_n - 1]
+            i += 1
+        elif prev != 0:
+            prev = lps[prev - 1]
+        else:
+            i += 1
+    if longest < min_n:
+        return []
+    start = total - 1 - position + longest
+    return context[start:start + min(k, total - start)]
+
+
+def replay_ngram(prompt: list[int], output: list[int], accepted: list[int], drafted: list[int], config: dict,
+                 max_model_len: int) -> Steps | None:
+    """The steps with the plain ones placed by replaying the n-gram proposer, or None where the replay and the
+    server's arrays disagree (then nothing is guessed)."""
+    k, min_n, max_n = config["num_speculative_tokens"], config["prompt_lookup_min"], config["prompt_lookup_max"]
+    steps: Steps = [(0, 0)]
+    pos, j = 1, 0  # the prefill committed output[0]
+    while pos < len(output):
+        draft = ngram_proposal(prompt + output[:pos], min_n, max_n, k, max_model_len)
+        if not draft:
+            steps.append((0, 0))
+            pos += 1
+            continue
+        if j >= len(accepted) or drafted[j] != len(draft):
+            return None
+        d, a = drafted[j], accepted[j]
+        committed = output[pos:pos + a + 1]
+        if committed[:a] != draft[:len(committed[:a])]:
+            return None  # what the server says it accepted is not what the proposer drafted
+        if a < d and len(committed) > a and committed[a] == draft[a]:
+            return None  # a recovered token never equals the draft it replaced
+        steps.append((d, a))
+        j += 1
+        pos += a + 1
+    return steps if j == len(accepted) else None
