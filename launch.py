@@ -71,7 +71,7 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_request(args, prompt: str):
-    from engine.backend import Request
+    from engine.request import Request
     from engine.sampling import SamplingParams
 
     return Request(
@@ -99,7 +99,7 @@ def demo(args) -> int:
             return 2
         backend = host.backend
         req = build_request(args, args.prompt)
-        backend.prompt_ids(req)  # validate before printing anything
+        backend.validate(req)  # before printing anything
         results = {engine: _stream_to_terminal(backend, engine, req) for engine in ("baseline", "speculative")}
         c = compare(results["baseline"], results["speculative"], req.sampling.greedy)
         c |= sampling_check(backend, req, results)  # after both runs, outside their timing
@@ -114,7 +114,7 @@ def _stream_to_terminal(backend, engine: str, req):
 
     out, result = sys.stdout, None
     out.write(f"\n== {engine} ==\n")
-    for event in getattr(backend, engine)(req):
+    for event in (backend.baseline if engine == "baseline" else backend.speculative)(req):
         if isinstance(event, TokenEvent):
             if not out.isatty():
                 if event.kind.value != "rejected":  # plain text output: the answer only
@@ -157,7 +157,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def local_host(args):
-    from engine.backend import LocalBackend
+    from engine.local_backend import LocalBackend
     from specconsole.host import ModelHost
 
     preset = preset_of(args)
@@ -243,7 +243,7 @@ def _exit_on_signal(signum, frame):
 
 
 def suite(args) -> int:
-    from engine.backend import Request
+    from engine.request import Request
     from engine.sampling import SamplingParams
     from specconsole.history import History
     from specconsole.report import write_csvs, write_html

@@ -21,7 +21,8 @@ import sys
 from itertools import product
 from pathlib import Path
 
-from engine.backend import LocalBackend, Request
+from engine.local_backend import LocalBackend
+from engine.request import Request
 from engine.check import ABSURD_NLL, MIN_TOKENS, Z_MIN, copy_fraction, nll_margin, nll_stats, verdict, z_score
 from engine.events import RunResult
 from engine.sampling import SamplingParams

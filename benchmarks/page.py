@@ -137,7 +137,7 @@ def _latest_run(db: Path) -> dict:
 
 
 def api_phase(args) -> list[dict]:
-    from engine.backend import LocalBackend
+    from engine.local_backend import LocalBackend
     from engine.models import PRESETS
     from specconsole.app import request_from
     from specconsole.runner import Comparison

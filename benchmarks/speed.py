@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from engine.backend import LocalBackend, Request
+from engine.local_backend import LocalBackend
+from engine.request import Request
 from engine.events import RunResult
 from engine.metrics import compare, first_divergence
 from engine.models import PRESETS, encode_prompt
@@ -56,7 +57,7 @@ class PassCounter:
 
 
 def run_engine(backend, engine: str, req: Request) -> RunResult:
-    *_, result = getattr(backend, engine)(req)
+    *_, result = (backend.baseline if engine == "baseline" else backend.speculative)(req)
     if result.error:
         raise RuntimeError(f"{engine} failed: {result.error}")
     return result

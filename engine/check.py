@@ -129,8 +129,6 @@ def sampling_check(backend, req, results: dict) -> dict:
     b, s = results.get("baseline"), results.get("speculative")
     if b is None or s is None or b.error or s.error or "cancelled" in (b.finish_reason, s.finish_reason):
         return {"sampling_check": None, "sampling_check_reason": "not checked: the run did not complete"}
-    if not hasattr(backend, "score"):
-        return {"sampling_check": None, "sampling_check_reason": "not checked: this backend cannot score outputs"}
     try:
         scored = backend.score(req, [b.output_ids, s.output_ids])
     except Exception as e:  # noqa: BLE001 - a check that cannot run says so; the run itself is kept

@@ -19,6 +19,7 @@ Server processes (start, stop, never outliving the console) live in engine.vllm_
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -35,10 +36,11 @@ from typing import Callable, Iterator
 
 import httpx
 
-from engine.backend import Request
+from engine.backend import DRAFTING_SETTINGS, Capabilities
 from engine.events import Event, RunResult, StepRecord, TokenEvent, TokenKind
 from engine.metrics import run_metrics
 from engine.models import chat_messages
+from engine.request import Request
 from engine.sampling import MAX_K, SamplingParams
 from engine.vllm_server import ServerConfig, VLLMError, VLLMServer, has_gpu  # noqa: F401 - re-exported
 from engine.vllm_steps import Steps, classify, kinds, replay_ngram
@@ -93,7 +95,9 @@ def metrics_delta(before: dict, after: dict) -> dict:
 
 
 class VLLMBackend:
-    """Same interface as engine.backend.LocalBackend: baseline(req) and speculative(req) stream events."""
+    """engine.backend.Backend for two vLLM servers. Drafting is the speculative server's own configuration, so the
+    request's drafting settings do not apply (ignored_settings says which); the servers report how many drafts were
+    accepted, not which text was rejected."""
 
     name = "vllm"
 
@@ -106,7 +110,9 @@ class VLLMBackend:
         self.speculative_config = speculative or {}
         self.max_model_len = max_model_len
         # managed servers each own their cores (or GPU share): they can run at once without stealing compute
-        self.fair_strategy = "parallel" if servers else "sequential"
+        self.capabilities = Capabilities(knows_rejected=False, per_request_drafting=False,
+                                         can_reconfigure=len(self.servers) == 2, concurrent_requests=True,
+                                         fair_strategy="parallel" if servers else "sequential")
 
     # --- set-up ----------------------------------------------------------------------------------------------------
 
@@ -167,7 +173,7 @@ class VLLMBackend:
     def reconfigure(self, speculative: dict) -> None:
         """Restart the managed speculative server with another --speculative-config (the page's settings). If the
         new one fails to start, the old one is started again and the error, with the log's tail, is raised."""
-        if len(self.servers) != 2:
+        if not self.capabilities.can_reconfigure:
             raise VLLMError("only servers the console started can be reconfigured; restart yours by hand")
         old = self.servers[1]
         old.stop()
@@ -217,9 +223,30 @@ class VLLMBackend:
         return {"backend": "vllm", "target_model": self.model, "draft_model": spec.get("model"),
                 "method": spec.get("method", "vllm")}
 
-    def prompt_ids(self, req) -> list[int]:
-        req.validate()
-        return []  # the server tokenizes
+    def validate(self, req: Request) -> None:
+        req.validate()  # the server tokenizes; a prompt too long for its context comes back as the run's error
+
+    def ignored_settings(self, req: Request) -> tuple[str, ...]:
+        return DRAFTING_SETTINGS  # the speculative server drafts as it was started (reconfigure() changes that)
+
+    def memory(self) -> dict | None:
+        return None  # the servers' memory is theirs (and on a GPU, the share each was given)
+
+    def throughput(self, engine: str, prompts: list[str], max_new_tokens: int) -> tuple[int, float]:
+        return asyncio.run(self._burst(self.urls[engine], prompts, max_new_tokens))
+
+    async def _burst(self, url: str, prompts: list[str], max_tokens: int) -> tuple[int, float]:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=300.0), headers=self.headers) as client:
+            async def one(prompt):
+                body = {"model": self.model, "messages": chat_messages(prompt), "max_tokens": max_tokens,
+                        "temperature": 0}
+                r = await client.post(url + "/v1/chat/completions", json=body)
+                r.raise_for_status()
+                return r.json()["usage"]["completion_tokens"]
+
+            start = time.perf_counter()
+            tokens = await asyncio.gather(*(one(p) for p in prompts))
+            return sum(tokens), time.perf_counter() - start
 
     def score(self, req, outputs: list[list[int]]) -> list[list[float]]:
         """Log-probability of each token of each output under the target (raw distribution), given the request's

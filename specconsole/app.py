@@ -14,7 +14,7 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
-from engine.backend import MAX_NEW_TOKENS, Request
+from engine.request import MAX_NEW_TOKENS, Request
 from engine.models import ModelError
 from engine.sampling import MAX_K, SamplingParams, SettingsError
 from engine.vllm_backend import METHODS as VLLM_METHODS, VLLMError, speculative_config
@@ -113,7 +113,7 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
             return
         try:
             req = request_from(prompt, max_new, temperature, top_p, seed, method, k, dynamic_k, confidence, fallback)
-            host.backend.prompt_ids(req)  # validate before anything runs or is saved
+            host.backend.validate(req)  # before anything runs or is saved
         except (SettingsError, ModelError, ValueError) as e:
             msg = str(e)
             yield panel_notice(panel_run, msg), panel_notice(panel_run, msg), "", gr.skip(), gr.skip(), gr.skip()
@@ -174,7 +174,7 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
             gr.Warning(comp.save_error)
 
     def reconfigure_vllm(method, k, draft):
-        if not host.ready or not getattr(host.backend, "servers", None):
+        if not host.ready or not host.backend.capabilities.can_reconfigure:
             return "Only a managed vLLM backend (`--backend vllm`) can be reconfigured from here."
         try:
             config = speculative_config(method, int(k), draft or None)

@@ -34,8 +34,7 @@ class ModelHost:
         try:
             backend = self.factory(self._progress)
             if self.closed:  # the console ended while the servers were starting: stop them now
-                if hasattr(backend, "close"):
-                    backend.close()
+                backend.close()
                 return
             self.backend = backend
             self.stage = "ready"
@@ -64,5 +63,5 @@ class ModelHost:
         """Stop what the backend started (managed vLLM servers); safe to call more than once."""
         self.closed = True
         backend, self.backend = self.backend, None
-        if backend is not None and hasattr(backend, "close"):
+        if backend is not None:
             backend.close()

@@ -11,7 +11,7 @@ While the run goes on, poll() appends the new events to the history about once a
 during a timed pass), so that a killed console leaves what the run had streamed; the end of the run saves the rest.
 A write that fails (a full disk) is reported in `save_error`; the run itself goes on and stays on screen.
 
-A backend says how it is fair (`fair_strategy`): the local backend alternates passes; vLLM servers that own their
+A backend says how it is fair (`capabilities.fair_strategy`): the local backend alternates passes; vLLM servers that own their
 cores or GPU share run in parallel; servers someone else runs are asked one after the other.
 """
 
@@ -111,7 +111,7 @@ class Comparison:
                 self.saved_events = EventLog(self.run_id)
             except HistoryError as e:  # the run goes on, on screen only
                 self._save_failed(e)
-        strategy = getattr(self.backend, "fair_strategy", "alternate") if self.mode == "fair" else "parallel"
+        strategy = self.backend.capabilities.fair_strategy if self.mode == "fair" else "parallel"
         if strategy != "parallel":
             step = StepRecord if strategy == "alternate" else RunResult
             self._threads = [threading.Thread(target=self._take_turns, args=(step,), daemon=True,
@@ -123,7 +123,8 @@ class Comparison:
             t.start()
 
     def _stream(self, engine: str, clock):
-        return getattr(self.backend, engine)(self.request, self.cancel, clock)
+        stream = self.backend.baseline if engine == "baseline" else self.backend.speculative
+        return stream(self.request, self.cancel, clock)
 
     def _take_turns(self, until: type) -> None:
         """Run one engine until it yields an event of type `until` (a pass, or the whole run), then the other."""

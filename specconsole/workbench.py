@@ -11,7 +11,6 @@ through httpx async, measured as aggregate throughput).
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
@@ -23,12 +22,10 @@ from pathlib import Path
 from statistics import mean, median, stdev
 from typing import Callable
 
-import httpx
 import pandas as pd
 from tqdm import tqdm
 
-from engine.backend import Request
-from engine.models import chat_messages
+from engine.request import Request
 from engine.stats import bootstrap_ci, ratio_ci
 from engine.vllm_backend import speculative_config
 from specconsole.advisor import Advice, ab_conclusion, advise
@@ -96,7 +93,7 @@ def run_suite(backend, items: list[SuitePrompt], base: Request, history: History
         if cancel is not None and cancel.is_set():
             suite.cancelled = True
             break
-        if variable == "method" and getattr(backend, "name", "") == "vllm" and value != served:
+        if variable == "method" and not backend.capabilities.per_request_drafting and value != served:
             # vLLM's method is the speculative server's: restart it with this value's --speculative-config
             backend.reconfigure(speculative_config(value, base.k, backend.speculative_config.get("model")))
             served = value
@@ -255,38 +252,23 @@ def advice_for(backend, agg: pd.DataFrame, variable: str | None, concurrency: pd
     """The advisor's verdicts, with the backend's memory figures where it has them (the local backend)."""
     if agg.empty:
         return []
-    memory = backend.memory() if hasattr(backend, "memory") else None
-    return advise(agg, variable, memory=memory, concurrency=concurrency)
+    return advise(agg, variable, memory=backend.memory(), concurrency=concurrency)
 
 
 # --- concurrency (vLLM) ------------------------------------------------------------------------------------------
 
 
-async def _burst(url: str, model: str, prompts: list[str], max_tokens: int, headers: dict) -> tuple[int, float]:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=300.0), headers=headers) as client:
-        async def one(prompt):
-            body = {"model": model, "messages": chat_messages(prompt), "max_tokens": max_tokens, "temperature": 0}
-            r = await client.post(url + "/v1/chat/completions", json=body)
-            r.raise_for_status()
-            return r.json()["usage"]["completion_tokens"]
-
-        start = time.perf_counter()
-        tokens = await asyncio.gather(*(one(p) for p in prompts))
-        return sum(tokens), time.perf_counter() - start
-
-
 def concurrency_sweep(backend, items: list[SuitePrompt], levels: list[int], max_new_tokens: int,
                       on_progress: Callable | None = None) -> pd.DataFrame:
     """Aggregate tokens/s of both vLLM servers at each number of parallel requests: where speculation stops paying."""
-    if getattr(backend, "name", "") != "vllm":
+    if not backend.capabilities.concurrent_requests:
         raise ValueError("the concurrency sweep needs the vLLM backend (in-process engines serve one request)")
     rows = []
     for i, level in enumerate(levels):
         prompts = [items[j % len(items)].prompt for j in range(level)]
         row = {"concurrency": level}
         for engine in ("baseline", "speculative"):
-            tokens, seconds = asyncio.run(_burst(backend.urls[engine], backend.model, prompts, max_new_tokens,
-                                                 backend.headers))
+            tokens, seconds = backend.throughput(engine, prompts, max_new_tokens)
             row[f"{engine}_tps"] = tokens / seconds
         row["speedup"] = row["speculative_tps"] / row["baseline_tps"]
         rows.append(row)

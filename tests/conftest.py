@@ -72,7 +72,7 @@ def tiny_chat_pair(smol_tokenizer):
 @pytest.fixture(scope="module")
 def backend(tiny_chat_pair, smol_tokenizer):
     """A LocalBackend over tiny_chat_pair (one per test module: it remembers the measured target step)."""
-    from engine.backend import LocalBackend
+    from engine.local_backend import LocalBackend
     from engine.models import LoadedModel
 
     target, draft = tiny_chat_pair

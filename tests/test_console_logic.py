@@ -5,7 +5,7 @@ import sqlite3
 import pandas as pd
 import pytest
 
-from engine.backend import Request
+from engine.request import Request
 from engine.events import TokenEvent, TokenKind
 from specconsole import charts
 from specconsole.export import export_csv, neutralise

@@ -7,7 +7,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from engine.backend import LocalBackend, Request
+from engine.local_backend import LocalBackend
+from engine.request import Request
 from engine.models import LoadedModel, ModelError, check_pair, load, resolve
 from engine.sampling import SamplingParams, SettingsError
 from engine.weights import Chunk, GGUFSource, WeightsError, assemble, verify_file

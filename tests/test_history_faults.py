@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.backend import Request
+from engine.request import Request
 from engine.drafters import Proposal
 from engine.events import RunResult, StepRecord, TokenEvent, TokenKind
 from engine.local import _Recorder, generate_speculative

@@ -6,7 +6,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.backend import LocalBackend, Request
+from engine.local_backend import LocalBackend
+from engine.request import Request
 from engine.events import RunResult, TokenKind
 from engine.metrics import compare
 from engine.models import LoadedModel, load

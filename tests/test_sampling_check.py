@@ -4,7 +4,7 @@ figures, history, CSV, workbench aggregate). Tiny models: the real-vLLM side is 
 import pandas as pd
 import torch
 
-from engine.backend import Request
+from engine.request import Request
 from engine.check import ABSURD_NLL, COPY_FRACTION, MIN_DRAFTS, copy_fraction, sampling_check, verdict
 from engine.events import RunResult
 from engine.forward import forward, new_cache

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.backend import Request
+from engine.request import Request
 from engine.events import RunResult, TokenEvent, TokenKind
 from engine.metrics import compare
 from engine.sampling import SamplingParams
@@ -135,7 +135,8 @@ def test_metrics_deltas_agree_with_the_request(vllm):
 
 def test_attach_checks_the_pair(vllm):
     attached = VLLMBackend.attach(vllm.urls["baseline"], vllm.urls["speculative"])
-    assert attached.fair_strategy == "sequential"
+    assert attached.capabilities.fair_strategy == "sequential"
+    assert not attached.capabilities.can_reconfigure
     with pytest.raises(VLLMError, match="expected the first server without"):
         VLLMBackend.attach(vllm.urls["speculative"], vllm.urls["baseline"])
 

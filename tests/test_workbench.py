@@ -7,7 +7,7 @@ from statistics import median
 import pandas as pd
 import pytest
 
-from engine.backend import Request
+from engine.request import Request
 from engine.stats import bootstrap_ci
 from specconsole.advisor import ab_conclusion, advise
 from specconsole.history import History

@@ -1,0 +1,125 @@
+"""The local backend: a target (and optionally a draft) in this process, our own exact engines (engine.local)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Iterator
+
+from engine.drafters import DraftModelProposer, NgramProposer
+from engine.events import Event, RunResult
+from engine.local import generate_baseline, generate_speculative, score_outputs
+from engine.models import PRESETS, LoadedModel, ModelError, Preset, check_pair, encode_prompt, load, pick_device
+from engine.backend import Capabilities
+from engine.request import Request
+from engine.sampling import SettingsError
+from engine.stops import StopConditions
+from engine.weights import Progress
+
+log = logging.getLogger(__name__)
+
+
+class LocalBackend:
+    """engine.backend.Backend for our own engines: every drafting setting applies per request, and rejected drafts
+    are known token by token. Both engines share the models, so fair mode alternates their passes."""
+
+    name = "local"
+    capabilities = Capabilities(knows_rejected=True, per_request_drafting=True, can_reconfigure=False,
+                                concurrent_requests=False, fair_strategy="alternate")
+
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None):
+        if draft is not None:
+            check_pair(target, draft)
+        self.target, self.draft = target, draft
+        self.target_step_ms: float | None = None  # measured by baseline runs; lets the fallback judge from step 1
+
+    @classmethod
+    def from_preset(
+        cls, preset: Preset | str, device: str | None = None, strict: bool = False, on_progress: Progress | None = None
+    ) -> "LocalBackend":
+        if isinstance(preset, str):
+            if preset not in PRESETS:
+                raise ModelError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+            preset = PRESETS[preset]
+        dev = pick_device(device)
+        target = load(preset.target, "target", dev, strict=strict, on_progress=on_progress)
+        draft = load(preset.draft, "draft", dev, int8=preset.int8_draft, on_progress=on_progress) if preset.draft else None
+        return cls(target, draft)
+
+    def describe(self) -> dict:
+        return {"backend": "local", "target_model": self.target.name,
+                "draft_model": self.draft.name if self.draft else None}
+
+    def memory(self) -> dict | None:
+        """Weights in memory vs what the device has, for the advisor's "is there room for a second model"."""
+        import psutil
+        import torch
+
+        if self.target.device.type == "cuda":
+            available = torch.cuda.get_device_properties(self.target.device).total_memory
+        else:
+            available = psutil.virtual_memory().total
+        gb = 1 << 30
+        draft = self.draft.nbytes if self.draft else 0
+        return {"target_gb": self.target.nbytes / gb, "draft_gb": draft / gb,
+                "needed_gb": (self.target.nbytes + draft) / gb, "available_gb": available / gb}
+
+    def validate(self, req: Request) -> None:
+        self.prompt_ids(req)
+
+    def ignored_settings(self, req: Request) -> tuple[str, ...]:
+        return ()
+
+    def reconfigure(self, speculative: dict) -> None:
+        raise SettingsError("the local engines take their drafting settings with each run; nothing to restart")
+
+    def throughput(self, engine: str, prompts: list[str], max_new_tokens: int) -> tuple[int, float]:
+        raise SettingsError("the in-process engines serve one request at a time: the concurrency sweep needs vLLM")
+
+    def close(self) -> None:
+        pass  # the models go with the process
+
+    def prompt_ids(self, req: Request) -> list[int]:
+        """The prompt as the target's tokens, after checking that this backend can serve `req`."""
+        req.validate()
+        if req.method == "draft" and self.draft is None:
+            raise SettingsError("this setup has no draft model: choose n-gram drafting or load a draft")
+        ids = encode_prompt(self.target.tokenizer, req.prompt, req.chat, req.earlier_turns)
+        room = self.target.max_context - req.max_new_tokens
+        if len(ids) > room:
+            raise SettingsError(
+                f"the prompt is {len(ids)} tokens; with {req.max_new_tokens} new tokens that exceeds the model's "
+                f"context of {self.target.max_context} tokens. Shorten the prompt or ask for fewer tokens."
+            )
+        return ids
+
+    def stops(self, req: Request) -> StopConditions:
+        return StopConditions(req.max_new_tokens, self.target.eos_ids, tuple(s for s in req.stop_strings if s))
+
+    def baseline(self, req: Request, cancel: threading.Event | None = None, clock=time.perf_counter) -> Iterator[Event]:
+        ids = self.prompt_ids(req)
+        t = self.target
+        for event in generate_baseline(t.model, t.tokenizer, ids, req.sampling, self.stops(req), cancel, clock):
+            if isinstance(event, RunResult) and event.metrics.get("plain_step_ms"):
+                self.target_step_ms = event.metrics["plain_step_ms"]
+            yield event
+
+    def score(self, req: Request, outputs: list[list[int]]) -> list[list[float]]:
+        """Log-probability of each token of each output under the target (raw distribution, temperature 1), given the
+        request's prompt: one prefill, then one forward pass per output over its tokens (for the sampling check)."""
+        prompt = self.prompt_ids(req)
+        return score_outputs(self.target.model, prompt, outputs)
+
+    def speculative(self, req: Request, cancel: threading.Event | None = None, clock=time.perf_counter) -> Iterator[Event]:
+        ids = self.prompt_ids(req)
+        t = self.target
+        if req.method == "draft":
+            proposer = DraftModelProposer(self.draft.model, t.vocab_size, req.sampling, None, req.draft_confidence)
+        else:
+            proposer = NgramProposer(req.ngram_min, req.ngram_max)
+        policy = req.policy()
+        policy.target_step_ms = self.target_step_ms
+        yield from generate_speculative(
+            t.model, t.tokenizer, proposer, ids, req.sampling, self.stops(req), policy, cancel, clock
+        )

@@ -1,0 +1,51 @@
+"""What one run asks for, independent of the backend that serves it: the same Request drives the baseline and the
+speculative engine, on the local backend and on vLLM servers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.policy import SpecPolicy
+from engine.sampling import MAX_K, SamplingParams, SettingsError
+
+MAX_NEW_TOKENS = 4096
+METHODS = ("draft", "ngram")  # the local engine's drafting methods
+
+@dataclass(frozen=True)
+class Request:
+    """Everything a run needs besides the models. The same request drives both engines."""
+
+    prompt: str
+    max_new_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    method: str = "draft"  # "draft" | "ngram"
+    k: int = 4
+    dynamic_k: bool = False
+    k_max: int = 16
+    fallback: bool = False
+    draft_confidence: float = 0.0  # stop drafting after a token the draft itself gives less than this (0 = off)
+    per_token: bool = True  # with dynamic K, a draft model stops by policy.DraftStop (False: K from the i.i.d. model)
+    ngram_min: int = 1
+    ngram_max: int = 4
+    stop_strings: tuple[str, ...] = ()
+    chat: bool = True
+    earlier_turns: tuple[tuple[str, str], ...] = ()  # (role, content) of a multi-turn chat before this prompt
+
+    def validate(self) -> None:
+        if not self.prompt.strip():
+            raise SettingsError("the prompt is empty: type a prompt or pick an example")
+        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise SettingsError(f"max new tokens must be between 1 and {MAX_NEW_TOKENS}, got {self.max_new_tokens}")
+        if self.method not in METHODS:
+            raise SettingsError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if not 1 <= self.k <= MAX_K:
+            raise SettingsError(f"K must be between 1 and {MAX_K}, got {self.k}")
+        if not 0.0 <= self.draft_confidence < 1.0:
+            raise SettingsError(f"draft confidence must be in [0, 1), got {self.draft_confidence}")
+        self.sampling.validate()
+        self.policy().validate()
+
+    def policy(self) -> SpecPolicy:
+        k_max = max(self.k_max, self.k) if self.dynamic_k else self.k
+        return SpecPolicy(k=self.k, dynamic=self.dynamic_k, k_max=k_max, fallback=self.fallback,
+                          per_token=self.per_token and self.method == "draft")

@@ -1,0 +1,47 @@
+"""Both backends implement engine.backend.Backend with the protocol's own signatures, and say what they can do."""
+
+import inspect
+
+import pytest
+
+from engine.backend import Backend, Capabilities
+from engine.local_backend import LocalBackend
+from engine.request import Request
+from engine.sampling import SettingsError
+from engine.vllm_backend import VLLMBackend
+
+MEMBERS = [name for name, value in vars(Backend).items() if inspect.isfunction(value) and not name.startswith("_")]
+
+
+def test_the_protocol_names_what_callers_use():
+    assert {"validate", "ignored_settings", "baseline", "speculative", "score", "describe", "memory", "reconfigure",
+            "throughput", "close"} <= set(MEMBERS)
+
+
+@pytest.mark.parametrize("cls", [LocalBackend, VLLMBackend])
+@pytest.mark.parametrize("member", MEMBERS)
+def test_each_backend_implements_each_member_with_the_protocol_signature(cls, member):
+    want = list(inspect.signature(getattr(Backend, member)).parameters)
+    got = list(inspect.signature(getattr(cls, member)).parameters)
+    assert got == want, f"{cls.__name__}.{member}{got} differs from Backend.{member}{want}"
+
+
+def test_capabilities_and_isinstance(backend):
+    assert isinstance(backend, Backend)
+    caps = backend.capabilities
+    assert caps.knows_rejected and caps.per_request_drafting and not caps.can_reconfigure
+    assert backend.ignored_settings(Request(prompt="x")) == ()
+    assert backend.memory()["needed_gb"] > 0
+    with pytest.raises(SettingsError, match="concurrency sweep needs vLLM"):
+        backend.throughput("baseline", ["a"], 4)
+
+
+def test_vllm_backend_says_which_settings_it_ignores():
+    attached = VLLMBackend("http://127.0.0.1:9", "http://127.0.0.1:9", "m")
+    assert isinstance(attached, Backend)
+    assert attached.capabilities == Capabilities(knows_rejected=False, per_request_drafting=False,
+                                                 can_reconfigure=False, concurrent_requests=True,
+                                                 fair_strategy="sequential")
+    assert set(attached.ignored_settings(Request(prompt="x"))) == {"method", "k", "dynamic_k", "fallback",
+                                                                    "draft_confidence"}
+    assert attached.memory() is None
