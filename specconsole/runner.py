@@ -36,6 +36,33 @@ MODES = ("fair", "race")
 SAVE_EVERY_S = 1.0  # how often a running comparison appends its new events to the history
 
 
+class TurnLock:
+    """A lock taken in the order it was asked for. threading.Lock is not fair: the fair-mode engine thread releases it
+    after a pass and takes it again at once, which can keep the page (and the saves that keep a killed run's tokens)
+    waiting for seconds on a busy machine. Here whoever asked first goes next: at most one pass waits in between."""
+
+    def __init__(self):
+        self._turns = threading.Condition()
+        self._next_ticket = 0
+        self._serving = 0  # the ticket that holds (or may take) the lock
+
+    def __enter__(self) -> "TurnLock":
+        with self._turns:
+            ticket = self._next_ticket
+            self._next_ticket += 1
+            self._turns.wait_for(lambda: self._serving == ticket)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._turns:
+            self._serving += 1
+            self._turns.notify_all()
+
+    def locked(self) -> bool:
+        with self._turns:
+            return self._serving < self._next_ticket
+
+
 class EngineClock:
     """Seconds this engine has spent computing: it runs only between resume() and pause()."""
 
@@ -94,7 +121,7 @@ class Comparison:
         self.save_error: str | None = None
         self.saved_events: EventLog | None = None  # what of this run's events the history has
         self._saved_at = 0.0
-        self.ui_lock = threading.Lock()
+        self.ui_lock = TurnLock()
         self._threads: list[threading.Thread] = []
         self.load: MachineLoad | None = None
         self.machine: dict = {}  # other processes' CPU use during the run, once it finished

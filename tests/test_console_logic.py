@@ -1,6 +1,8 @@
 """Console logic without a browser: events in, HTML / figures / rows / CSV out."""
 
 import sqlite3
+import threading
+import time
 
 import pandas as pd
 import pytest
@@ -215,3 +217,32 @@ def test_noisy_flag_is_saved_and_exported(backend, tmp_path):
     assert history.run(comp.run_id)["noisy"] == int(c["noisy"])
     summary, _ = export_csv(history, tmp_path / "csv")
     assert pd.read_csv(summary).loc[0, "noisy"] == int(c["noisy"])
+
+
+def test_ui_lock_is_taken_in_turn_so_an_engine_cannot_starve_the_page():
+    """The fair-mode engine thread takes ui_lock around every pass, back to back. The page (and the saves that keep
+    a killed run's tokens) must get its turn after at most one more pass, however eager the engine is."""
+    from specconsole.runner import TurnLock
+
+    lock, passes, stop = TurnLock(), [], threading.Event()
+
+    def engine():
+        while not stop.is_set():
+            with lock:
+                passes.append(1)
+                time.sleep(0.002)
+
+    t = threading.Thread(target=engine)
+    t.start()
+    try:
+        waits = []
+        for _ in range(30):
+            before = len(passes)
+            with lock:
+                assert lock.locked()
+                waits.append(len(passes) - before)
+    finally:
+        stop.set()
+        t.join()
+    assert not lock.locked()
+    assert max(waits) <= 1, f"passes the page waited for: {waits}"
