@@ -91,6 +91,10 @@ def legend_html() -> str:
     return f'<div class="legend">{cells}</div>'
 
 
+# The three figures the presenter view keeps (console.css): what a room can read from the back.
+HEADLINE = ("speedup", "acceptance (all | last 8 steps)", "tokens/s (baseline | speculative)")
+
+
 def _fmt(value, spec: str, suffix: str = "") -> str:
     return "–" if value is None else f"{value:{spec}}{suffix}"
 
@@ -158,6 +162,6 @@ def figures_html(baseline: RunResult | None, speculative: RunResult | None, comp
         detail = comparison["noise"] if comparison["noisy"] else f"others used {comparison['other_cores']:.2f} cores"
         rows.append(("machine during the run", f'{"noisy" if comparison["noisy"] else "quiet"}'
                                                f'<div class="fig-note">{escape(detail)}</div>'))
-    cells = "".join(f'<div class="fig"><div class="fig-label">{escape(k)}</div><div class="fig-value">{v}</div></div>'
-                    for k, v in rows)
+    cells = "".join(f'<div class="fig{" headline" if k in HEADLINE else ""}"><div class="fig-label">{escape(k)}</div>'
+                    f'<div class="fig-value">{v}</div></div>' for k, v in rows)
     return f'<div class="figures">{cells}</div><div class="exactness">{exact}</div>'
