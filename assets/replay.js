@@ -287,7 +287,7 @@
     else return;
     ev.preventDefault();  // no page scroll, and the focused slider or button does not act on the key too
   });
-  // a focused button or checkbox takes the space key on keyup as a click: space already toggled playing
+  // some browsers click a focused button or checkbox on the space key's keyup; space already toggled playing
   document.addEventListener('keyup', (ev) => { if (ev.key === ' ') ev.preventDefault(); });
 
   render();

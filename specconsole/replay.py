@@ -108,8 +108,8 @@ def replay_html(history: History, run_id: str) -> str:
     """The self-contained replay page of one saved run. Raises UnknownRun."""
     data = payload(history, run_id)
     script = (ASSETS / "replay.js").read_text()
-    if "</script" in script.lower():  # it is inlined as is
-        raise ValueError("assets/replay.js must not contain '</script'")
+    if "</script" in script.lower() or "<!--" in script:  # it is inlined as is: either would upset the parser
+        raise ValueError("assets/replay.js must not contain '</script' or '<!--'")
     css = (ASSETS / "console.css").read_text() + (ASSETS / "replay.css").read_text()
     digest = base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
     # default-src 'none': no request of any kind; the one script that runs is ours (by hash); the JSON is not run

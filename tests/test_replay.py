@@ -253,6 +253,11 @@ def test_replay_in_chromium_offline(real_run, browser, tmp_path):
     assert time_now() == pytest.approx(paused, abs=2e-4)
     page.keyboard.press(" ")
     assert page.get_attribute("body", "data-state") == "playing"
+    # with the Play button focused (just clicked), space toggles once, not also as a click on the button
+    page.click("#play")
+    assert page.get_attribute("body", "data-state") == "paused"
+    page.keyboard.press(" ")
+    assert page.get_attribute("body", "data-state") == "playing"
 
     assert not errors, errors
     assert not blocked, f"the replay tried to load {blocked}"
