@@ -2,6 +2,7 @@
 
     python launch.py                       the console in the browser (http://127.0.0.1:7860)
     python launch.py demo --prompt "..."   one prompt on both engines in the terminal, with the comparison
+    python launch.py replay RUN_ID --out replay.html   a saved run as a self-contained HTML replay (offline)
 """
 
 from __future__ import annotations
@@ -295,6 +296,22 @@ def suite(args) -> int:
         host.close()
 
 
+def replay(args) -> int:
+    """Export one saved run as a self-contained HTML file that replays it (specconsole.replay)."""
+    from specconsole.history import History, HistoryError
+    from specconsole.replay import UnknownRun, write_replay
+
+    if not Path(args.db).exists():  # History() would create an empty file there
+        log.error("no history database at %s (pass the console's file with --db)", args.db)
+        return 2
+    try:
+        write_replay(History(args.db), args.run_id, args.out)
+    except (UnknownRun, HistoryError) as e:
+        log.error("%s; the History tab lists the run ids", e)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
@@ -327,6 +344,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--out", default="results.csv", help="per-run CSV (the per-category CSV goes beside it)")
         p.add_argument("--report", help="also write a self-contained HTML report here")
         args, run = p.parse_args(argv[1:]), suite
+    elif argv and argv[0] == "replay":
+        p = argparse.ArgumentParser(prog="launch.py replay", description="a saved run as a self-contained HTML replay")
+        p.add_argument("run_id", help="the run's id (History tab)")
+        p.add_argument("--out", required=True, help="the HTML file to write")
+        p.add_argument("--db", default=DEFAULT_DB, help="SQLite history file")
+        args, run = p.parse_args(argv[1:]), replay
     elif argv and argv[0] == "demo":
         p = argparse.ArgumentParser(prog="launch.py demo", description="one prompt on both engines in the terminal")
         add_engine_args(p)
