@@ -40,7 +40,9 @@ def preset_of(args):
 
 
 def add_request_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", default=None, choices=["draft", "ngram"], help="default: the preset's")
+    from engine.request import METHODS
+
+    p.add_argument("--method", default=None, choices=METHODS, help="default: the preset's")
     p.add_argument("--k", type=int, default=4, help="draft tokens per step")
     p.add_argument("--dynamic-k", action="store_true", help="draft length per step from measured costs (a draft model stops token by token)")
     p.add_argument("--fallback", action="store_true", help="switch speculation off while it does not pay")
@@ -317,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "suite":
         from specconsole.suites import EXTERNAL_SUITES
+        from engine.request import METHODS
         from specconsole.workbench import SWEEPS
 
         p = argparse.ArgumentParser(prog="launch.py suite", description="run prompt suites on both engines")
@@ -334,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--repeats", type=int, default=1,
                        help="runs per prompt, interleaved, alternating which engine goes first; 2+ measure the noise")
         p.add_argument("--mode", default="fair", choices=["fair", "race"])
-        p.add_argument("--method", choices=["draft", "ngram"])
+        p.add_argument("--method", choices=METHODS)
         p.add_argument("--k", type=int, default=4)
         p.add_argument("--dynamic-k", action="store_true")
         p.add_argument("--draft-confidence", type=float, default=0.4)

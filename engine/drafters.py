@@ -1,4 +1,5 @@
-"""Drafters (proposers): one interface, two small implementations.
+"""Drafters (proposers): one interface, three small implementations (a draft model, prompt lookup, and a hybrid
+that picks one of the two per step).
 
     propose(ids, k, stop) -> Proposal: up to k draft tokens continuing `ids`, with their draft distributions q;
                              `stop` (a policy.DraftStop, or None) may end a draft model's run earlier
@@ -22,6 +23,7 @@ from engine.sampling import SamplingParams, sample, warp
 class Proposal:
     ids: list[int]  # up to k draft tokens
     probs: torch.Tensor | None  # q [len(ids), V] (warped like p); None when the drafter is deterministic
+    drafter: str = ""  # which drafter proposed them: "draft" | "ngram"
 
 
 class DraftModelProposer:
@@ -66,7 +68,7 @@ class DraftModelProposer:
             feed = [token]
         # the last draft token was never fed: it sits in no cache yet
         q = None if self.params.greedy else self._pad(torch.stack(probs))
-        return Proposal(drafts, q)
+        return Proposal(drafts, q, self.method)
 
     def update(self, ids: list[int]) -> None:
         keep = _common_prefix(self.cached, ids)
@@ -98,11 +100,40 @@ class NgramProposer:
             tail = ids[-n:]
             for start in range(len(ids) - n - 1, -1, -1):
                 if ids[start : start + n] == tail:
-                    return Proposal(ids[start + n : start + n + k], None)
-        return Proposal([], None)
+                    return Proposal(ids[start + n : start + n + k], None, self.method)
+        return Proposal([], None, self.method)
 
     def update(self, ids: list[int]) -> None:
         pass
+
+
+class HybridProposer:
+    """Prompt lookup where the text is copying, the draft model elsewhere: each step tries the lookup first and
+    runs the draft model only when no n-gram of at least `lookup.min_n` tokens matches. A long verbatim match
+    (code edits, quoted JSON) predicts many tokens for free; a match of one or two tokens ("the", ", ") recurs
+    everywhere and would replace a better draft model's guess. The choice depends only on the committed ids, so
+    the rejection sampler stays exact: the n-gram's drafts verify with q = one-hot, the model's with its q."""
+
+    method = "hybrid"
+
+    def __init__(self, model: DraftModelProposer, lookup: NgramProposer):
+        self.model, self.lookup = model, lookup
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self.model.generator
+
+    @generator.setter
+    def generator(self, g: torch.Generator | None) -> None:
+        self.model.generator = g  # the engine's seeded stream, as for a plain draft model
+
+    def propose(self, ids: list[int], k: int, stop=None) -> Proposal:
+        proposal = self.lookup.propose(ids, k)
+        # the draft model catches up on the skipped tokens in one pass the next time it drafts
+        return proposal if proposal.ids else self.model.propose(ids, k, stop)
+
+    def update(self, ids: list[int]) -> None:
+        self.model.update(ids)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

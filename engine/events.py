@@ -60,6 +60,15 @@ class StepRecord:
     draft_ms: float
     verify_ms: float  # the target forward pass (for a plain step: the decoding step itself)
     time_s: float  # when the step finished, seconds since the run started
+    drafter: str = ""  # who drafted: "draft" | "ngram" (a hybrid run has both); "" for a plain step or not known
+
+
+class PolicyAction(str, Enum):
+    """A str Enum, like TokenKind: saved history and CSV exports keep the plain strings."""
+
+    K_CHANGE = "k_change"
+    FALLBACK = "fallback"
+    RESUME = "resume"
 
 
 @dataclass
@@ -67,7 +76,7 @@ class PolicyEvent:
     """A decision of the speculation policy: K changed, speculation switched off (fallback) or back on (resume)."""
 
     step: int
-    action: str  # "k_change" | "fallback" | "resume"
+    action: PolicyAction
     k: int
     reason: str
     time_s: float

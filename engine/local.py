@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 import torch
 
 from engine.drafters import Proposal
-from engine.events import Event, PolicyEvent, RunResult, StepRecord, TokenEvent, TokenKind
+from engine.events import Event, RunResult, StepRecord, TokenEvent, TokenKind
 from engine.forward import forward, new_cache, rollback
 from engine.metrics import run_metrics
 from engine.policy import SpecPolicy
@@ -73,8 +73,8 @@ class _Recorder:
         self.result.tokens.append(event)
         return event
 
-    def step(self, step, drafted, accepted, emitted, draft_ms, verify_ms) -> StepRecord:
-        record = StepRecord(step, drafted, accepted, emitted, draft_ms, verify_ms, self.now())
+    def step(self, step, drafted, accepted, emitted, draft_ms, verify_ms, drafter="") -> StepRecord:
+        record = StepRecord(step, drafted, accepted, emitted, draft_ms, verify_ms, self.now(), drafter)
         self.result.steps.append(record)
         return record
 
@@ -195,10 +195,9 @@ def generate_speculative(
                 kind = TokenKind.BASELINE if K == 0 else (TokenKind.BONUS if n == K else TokenKind.RECOVERED)
                 yield run.commit(kind, token, step, n, prob(p_all, n, token))
                 emitted += 1
-            record = run.step(step, K, n, emitted, draft_ms, verify_ms)
+            record = run.step(step, K, n, emitted, draft_ms, verify_ms, proposal.drafter if K else "")
             yield record
-            for action, new_k, reason in policy.observe(record):
-                event = PolicyEvent(step, action, new_k, reason, run.now())
+            for event in policy.observe(record):
                 run.result.policy.append(event)
                 yield event
     except Exception as e:  # noqa: BLE001 - the run is saved as failed, with what it produced so far

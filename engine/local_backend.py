@@ -7,12 +7,13 @@ import threading
 import time
 from typing import Iterator
 
-from engine.drafters import DraftModelProposer, NgramProposer
+from engine.drafters import DraftModelProposer, HybridProposer, NgramProposer
 from engine.events import Event, RunResult
 from engine.local import generate_baseline, generate_speculative, score_outputs
 from engine.models import PRESETS, LoadedModel, ModelError, Preset, check_pair, encode_prompt, load, pick_device
 from engine.backend import Capabilities
-from engine.request import Request
+from engine.policy import SpecPolicy
+from engine.request import MODEL_METHODS, Request
 from engine.sampling import SettingsError
 from engine.stops import StopConditions
 from engine.weights import Progress
@@ -83,8 +84,9 @@ class LocalBackend:
     def prompt_ids(self, req: Request) -> list[int]:
         """The prompt as the target's tokens, after checking that this backend can serve `req`."""
         req.validate()
-        if req.method == "draft" and self.draft is None:
-            raise SettingsError("this setup has no draft model: choose n-gram drafting or load a draft")
+        if req.method in MODEL_METHODS and self.draft is None:
+            raise SettingsError(f"{req.method} drafting needs a draft model and this setup has none: choose n-gram "
+                                "drafting or load a draft")
         ids = encode_prompt(self.target.tokenizer, req.prompt, req.chat, req.earlier_turns)
         room = self.target.max_context - req.max_new_tokens
         if len(ids) > room:
@@ -114,12 +116,14 @@ class LocalBackend:
     def speculative(self, req: Request, cancel: threading.Event | None = None, clock=time.perf_counter) -> Iterator[Event]:
         ids = self.prompt_ids(req)
         t = self.target
-        if req.method == "draft":
-            proposer = DraftModelProposer(self.draft.model, t.vocab_size, req.sampling, None, req.draft_confidence)
-        else:
+        if req.method == "ngram":
             proposer = NgramProposer(req.ngram_min, req.ngram_max)
-        policy = req.policy()
-        policy.target_step_ms = self.target_step_ms
+        else:
+            proposer = DraftModelProposer(self.draft.model, t.vocab_size, req.sampling, None, req.draft_confidence)
+        if req.method == "hybrid":
+            lookup = NgramProposer(req.hybrid_min_match, max(req.ngram_max, req.hybrid_min_match))
+            proposer = HybridProposer(proposer, lookup)
+        policy = SpecPolicy(req.policy(), target_step_ms=self.target_step_ms)
         yield from generate_speculative(
             t.model, t.tokenizer, proposer, ids, req.sampling, self.stops(req), policy, cancel, clock
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from statistics import mean
 
-from engine.events import RunResult, TokenKind
+from engine.events import PolicyAction, RunResult, TokenKind
 
 
 def expected_tokens_per_pass(a: float, k: float) -> float:
@@ -64,7 +64,7 @@ def run_metrics(r: RunResult) -> dict:
         "draft_ms_per_token": sum(s.draft_ms for s in spec) / drafted if drafted else None,
         "verify_ms_mean": mean(s.verify_ms for s in spec) if spec else None,
         "plain_step_ms": mean(s.verify_ms for s in plain) if plain else None,
-        "fallback_count": sum(e.action == "fallback" for e in r.policy),
+        "fallback_count": sum(e.action == PolicyAction.FALLBACK for e in r.policy),
         "rejected_tokens": sum(t.kind == TokenKind.REJECTED for t in r.tokens),
     }
     return m

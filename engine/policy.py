@@ -18,16 +18,23 @@ it drafts long runs of sure tokens and stops at the first doubtful one; K (= k_m
 looks only at the draft's own state, so the rejection sampler stays exact.
 
 Fallback: when the tokens per second of the last few speculative steps fall below what plain decoding delivers,
-switch speculation off for `cooldown` plain steps, then try again. Every decision is returned as (action, k,
-reason) for the engine to record as a PolicyEvent.
+switch speculation off for `cooldown` plain steps, then try again. Every decision is returned as a PolicyEvent for
+the engine to stream and record.
+
+Draft-length cap (dynamic K): neither K nor the per-token rule sees where recent drafts went wrong, so a draft can
+run long with confidence and be rejected at its first token. The cap limits the next draft to twice the furthest
+any of the last few drafts got before its first rejection; see SpecPolicy.draft_cap.
+
+PolicyConfig is what the user asked for (frozen); SpecPolicy holds one run's state: the current K, the measured
+costs, the recent steps and the cooldown counter.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from engine.events import StepRecord
+from engine.events import PolicyAction, PolicyEvent, StepRecord
 from engine.metrics import acceptance_alpha, expected_tokens_per_pass
 from engine.sampling import MAX_K, SettingsError
 
@@ -36,47 +43,74 @@ def _ema(old: float | None, new: float, weight: float = 0.3) -> float:
     return new if old is None else (1 - weight) * old + weight * new
 
 
-@dataclass
-class SpecPolicy:
-    k: int = 4
+@dataclass(frozen=True)
+class PolicyConfig:
+    """What the user asked for; fixed for the run (the running state is SpecPolicy's)."""
+
+    k: int = 4  # the fixed K, or the first K of a dynamic run
     dynamic: bool = False
     k_min: int = 1
     k_max: int = 16
-    per_token: bool = False  # a draft model stops by DraftStop; K is then k_max, the ceiling
+    per_token: bool = True  # with dynamic K, a draft model stops by DraftStop; K is then k_max, the ceiling
     fallback: bool = False
     window: int = 8  # speculative steps that the acceptance estimate and the fallback look at
     cooldown: int = 16  # plain steps before speculation is tried again
-    target_step_ms: float | None = None  # one plain decoding step, measured
-    draft_ms_per_token: float | None = field(default=None, init=False)
-    verify_ms_per_token: float | None = field(default=None, init=False)  # beta * target_step_ms
-    _recent: deque = field(default_factory=deque, init=False, repr=False)  # StepRecords of speculative steps
-    _plain_left: int = field(default=0, init=False)  # plain steps left before speculation resumes
-    _seen_first: bool = field(default=False, init=False)
+    cap_steps: int = 4  # dynamic K: the draft-length cap looks this many speculative steps back (0: no cap)
 
     def validate(self) -> None:
         if not 1 <= self.k_min <= self.k_max <= MAX_K:
             raise SettingsError(f"K bounds need 1 <= k_min <= k_max <= {MAX_K}, got {self.k_min}..{self.k_max}")
         if not self.k_min <= self.k <= self.k_max:
             raise SettingsError(f"K must be between {self.k_min} and {self.k_max}, got {self.k}")
+        if self.cap_steps < 0:
+            raise SettingsError(f"the draft-length cap needs cap_steps >= 0 (0 = off), got {self.cap_steps}")
+
+
+class SpecPolicy:
+    """One run's policy: its PolicyConfig and what the run has measured and decided so far."""
+
+    def __init__(self, config: PolicyConfig, target_step_ms: float | None = None):
+        self.config = config
+        self.current_k = config.k
+        self.target_step_ms = target_step_ms  # one plain decoding step: from the backend's baseline runs, or measured
+        self.draft_ms_per_token: float | None = None
+        self.verify_ms_per_token: float | None = None  # beta * target_step_ms
+        self.recent: deque[StepRecord] = deque(maxlen=config.window)  # the last speculative steps
+        self.plain_left = 0  # plain steps left before speculation resumes
+        self.seen_first = False
 
     def next_k(self) -> int:
         """K for the next step; 0 means a plain decoding step."""
-        if self._plain_left:
+        cfg = self.config
+        if self.plain_left:
             return 0
-        if (self.dynamic or self.fallback) and self.target_step_ms is None:
+        if (cfg.dynamic or cfg.fallback) and self.target_step_ms is None:
             return 0  # measure one plain step first: both decisions compare against it
-        return self.k
+        return min(self.current_k, self.draft_cap()) if cfg.dynamic else self.current_k
+
+    def draft_cap(self) -> int:
+        """The longest draft worth proposing now: twice as far as the furthest of the last `cap_steps` drafts got
+        (its accepted tokens + 1). A draft that is sure of itself but wrong (a benchmark saw 14 tokens drafted and
+        none accepted under per-token stopping) then wastes at most a few tokens; full acceptances double the cap
+        back towards k_max. It reads only finished steps, so the target's verification keeps the output exact."""
+        cfg = self.config
+        recent = list(self.recent)[-cfg.cap_steps:] if cfg.cap_steps else []
+        if not recent:
+            return cfg.k_max
+        reach = max(s.accepted for s in recent) + 1
+        return max(cfg.k_min, min(cfg.k_max, 2 * reach))
 
     @property
     def stops_per_token(self) -> bool:
         """The per-token rule is in charge once the costs it needs are measured."""
-        return bool(self.per_token and self.dynamic and self.draft_ms_per_token and self.target_step_ms)
+        cfg = self.config
+        return bool(cfg.per_token and cfg.dynamic and self.draft_ms_per_token and self.target_step_ms)
 
     def draft_stop(self) -> "DraftStop | None":
         """A fresh per-token stopping rule for the next step (None while K decides)."""
         if not self.stops_per_token:
             return None
-        return DraftStop(acceptance_alpha(self._recent), self.draft_ms_per_token + (self.verify_ms_per_token or 0.0),
+        return DraftStop(acceptance_alpha(self.recent), self.draft_ms_per_token + (self.verify_ms_per_token or 0.0),
                          self.target_step_ms)
 
     def goodput(self, k: int, alpha: float) -> float:
@@ -85,63 +119,70 @@ class SpecPolicy:
         v = 1 + self.verify_ms_per_token * k / self.target_step_ms
         return expected_tokens_per_pass(alpha, k) / (c * k + v)
 
-    def observe(self, step: StepRecord) -> list[tuple[str, int, str]]:
+    def observe(self, step: StepRecord) -> list[PolicyEvent]:
+        """Learn from one finished step; returns the decisions it led to."""
         if step.drafted == 0:
             return self._observe_plain(step)
-        self._recent.append(step)
-        if len(self._recent) > self.window:
-            self._recent.popleft()
-        if not self._seen_first:  # the first draft pass also prefilled the prompt: not a per-token cost
-            self._seen_first = True
+        cfg = self.config
+        self.recent.append(step)
+        if not self.seen_first:  # the first draft pass also prefilled the prompt: not a per-token cost
+            self.seen_first = True
             return []
         self.draft_ms_per_token = _ema(self.draft_ms_per_token, step.draft_ms / step.drafted)
         decisions = []
         if self.target_step_ms:
             extra = max(0.0, step.verify_ms - self.target_step_ms) / step.drafted
             self.verify_ms_per_token = _ema(self.verify_ms_per_token, extra)
-            if self.dynamic and not self.per_token:
-                decisions += self._choose_k()
-            elif self.stops_per_token and self.k != self.k_max:
-                self.k = self.k_max
+            if cfg.dynamic and not cfg.per_token:
+                decisions += self._choose_k(step)
+            elif self.stops_per_token and self.current_k != cfg.k_max:
+                self.current_k = cfg.k_max
                 c = self.draft_ms_per_token / self.target_step_ms
                 why = f"a draft token costs {c:.2f} target steps; the draft stops when one more token would not pay"
-                decisions.append(("k_change", self.k, f"per-token stop from now on, K at most {self.k}: {why}"))
-            if self.fallback:
-                decisions += self._check_fallback()
+                decisions.append(_event(step, PolicyAction.K_CHANGE, self.current_k,
+                                        f"per-token stop from now on, K at most {self.current_k}: {why}"))
+            if cfg.fallback:
+                decisions += self._check_fallback(step)
         return decisions
 
-    def _observe_plain(self, step: StepRecord) -> list[tuple[str, int, str]]:
+    def _observe_plain(self, step: StepRecord) -> list[PolicyEvent]:
         self.target_step_ms = _ema(self.target_step_ms, step.verify_ms)
-        if self._plain_left:
-            self._plain_left -= 1
-            if self._plain_left == 0:
-                return [("resume", self.k, f"trying speculation again after {self.cooldown} plain steps")]
+        if self.plain_left:
+            self.plain_left -= 1
+            if self.plain_left == 0:
+                why = f"trying speculation again after {self.config.cooldown} plain steps"
+                return [_event(step, PolicyAction.RESUME, self.current_k, why)]
         return []
 
-    def _choose_k(self) -> list[tuple[str, int, str]]:
-        alpha = acceptance_alpha(self._recent)
-        best = max(range(self.k_min, self.k_max + 1), key=lambda k: self.goodput(k, alpha))
-        if best == self.k:
+    def _choose_k(self, step: StepRecord) -> list[PolicyEvent]:
+        alpha = acceptance_alpha(self.recent)
+        best = max(range(self.config.k_min, self.config.k_max + 1), key=lambda k: self.goodput(k, alpha))
+        if best == self.current_k:
             return []
-        old, self.k = self.k, best
+        old, self.current_k = self.current_k, best
         why = f"acceptance {alpha:.2f}, expected {self.goodput(best, alpha):.2f}x plain decoding"
-        return [("k_change", best, f"K {old} -> {best}: {why}")]
+        return [_event(step, PolicyAction.K_CHANGE, best, f"K {old} -> {best}: {why}")]
 
-    def _check_fallback(self) -> list[tuple[str, int, str]]:
-        if len(self._recent) < self.window:
+    def _check_fallback(self, step: StepRecord) -> list[PolicyEvent]:
+        if len(self.recent) < self.config.window:
             return []
-        tokens = sum(s.emitted for s in self._recent)
-        ms = sum(s.draft_ms + s.verify_ms for s in self._recent)
+        tokens = sum(s.emitted for s in self.recent)
+        ms = sum(s.draft_ms + s.verify_ms for s in self.recent)
         spec_rate, plain_rate = 1000 * tokens / ms, 1000 / self.target_step_ms
         if spec_rate >= plain_rate:
             return []
-        self._plain_left = self.cooldown
-        self._recent.clear()
+        self.plain_left = self.config.cooldown
+        self.recent.clear()
         reason = (
-            f"speculation gave {spec_rate:.1f} tok/s over the last {self.window} steps, "
+            f"speculation gave {spec_rate:.1f} tok/s over the last {self.config.window} steps, "
             f"plain decoding {plain_rate:.1f} tok/s"
         )
-        return [("fallback", 0, reason)]
+        return [_event(step, PolicyAction.FALLBACK, 0, reason)]
+
+
+def _event(step: StepRecord, action: PolicyAction, k: int, reason: str) -> PolicyEvent:
+    """A decision taken after `step`, stamped with its step and time."""
+    return PolicyEvent(step.step, action, k, reason, step.time_s)
 
 
 class DraftStop:

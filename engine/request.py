@@ -5,11 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.policy import SpecPolicy
+from engine.policy import PolicyConfig
 from engine.sampling import MAX_K, SamplingParams, SettingsError
 
 MAX_NEW_TOKENS = 4096
-METHODS = ("draft", "ngram")  # the local engine's drafting methods
+METHODS = ("draft", "ngram", "hybrid")  # the local engine's drafting methods
+MODEL_METHODS = ("draft", "hybrid")  # the methods that run a draft model (and may stop it per token)
+# hybrid drafting looks the text up when at least this many tokens repeat verbatim, as prompt-lookup decoding's
+# default n-gram size: one or two tokens ("the", ", ") recur everywhere and would overrule a better draft model
+HYBRID_MIN_MATCH = 3
 
 @dataclass(frozen=True)
 class Request:
@@ -18,7 +22,7 @@ class Request:
     prompt: str
     max_new_tokens: int = 128
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    method: str = "draft"  # "draft" | "ngram"
+    method: str = "draft"  # "draft" | "ngram" | "hybrid" (n-gram lookup where it matches, the draft model elsewhere)
     k: int = 4
     dynamic_k: bool = False
     k_max: int = 16
@@ -27,6 +31,7 @@ class Request:
     per_token: bool = True  # with dynamic K, a draft model stops by policy.DraftStop (False: K from the i.i.d. model)
     ngram_min: int = 1
     ngram_max: int = 4
+    hybrid_min_match: int = HYBRID_MIN_MATCH  # hybrid: the shortest n-gram match that is trusted over the draft model
     stop_strings: tuple[str, ...] = ()
     chat: bool = True
     earlier_turns: tuple[tuple[str, str], ...] = ()  # (role, content) of a multi-turn chat before this prompt
@@ -40,12 +45,14 @@ class Request:
             raise SettingsError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if not 1 <= self.k <= MAX_K:
             raise SettingsError(f"K must be between 1 and {MAX_K}, got {self.k}")
+        if self.hybrid_min_match < 1:
+            raise SettingsError(f"the hybrid's n-gram match needs at least 1 token, got {self.hybrid_min_match}")
         if not 0.0 <= self.draft_confidence < 1.0:
             raise SettingsError(f"draft confidence must be in [0, 1), got {self.draft_confidence}")
         self.sampling.validate()
         self.policy().validate()
 
-    def policy(self) -> SpecPolicy:
+    def policy(self) -> PolicyConfig:
         k_max = max(self.k_max, self.k) if self.dynamic_k else self.k
-        return SpecPolicy(k=self.k, dynamic=self.dynamic_k, k_max=k_max, fallback=self.fallback,
-                          per_token=self.per_token and self.method == "draft")
+        return PolicyConfig(k=self.k, dynamic=self.dynamic_k, k_max=k_max, fallback=self.fallback,
+                            per_token=self.per_token and self.method in MODEL_METHODS)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import sqlite_utils
 
-from engine.events import PolicyEvent, RunResult, StepRecord, TokenEvent, TokenKind
+from engine.events import PolicyAction, PolicyEvent, RunResult, StepRecord, TokenEvent, TokenKind
 from engine.metrics import run_metrics
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ EVENT_TABLES = {  # the engines' events, one row each, keyed by run and engine
     "tokens": {"run_id": str, "engine": str, "seq": int, "kind": str, "token_id": int, "text": str, "step": int,
                "position": int, "time_s": float, "idx": int, "p": float, "q": float},
     "steps": {"run_id": str, "engine": str, "step": int, "drafted": int, "accepted": int, "emitted": int,
-              "draft_ms": float, "verify_ms": float, "time_s": float},
+              "draft_ms": float, "verify_ms": float, "time_s": float, "drafter": str},
     "policy": {"run_id": str, "engine": str, "step": int, "action": str, "k": int, "reason": str, "time_s": float},
 }
 
@@ -140,7 +140,7 @@ class EventLog:
             n = self.counts.get((engine, "steps"), 0)
             new["steps"] += [key | asdict(s) for s in r.steps[n:]]
             n = self.counts.get((engine, "policy"), 0)
-            new["policy"] += [key | asdict(p) for p in r.policy[n:]]
+            new["policy"] += [key | asdict(p) | {"action": p.action.value} for p in r.policy[n:]]
         return new, changed
 
     def saved(self, new: dict[str, list[dict]], changed: list[dict]) -> None:
@@ -190,6 +190,9 @@ class History:
         self.db.execute("DROP INDEX IF EXISTS idx_runs_category")  # covered by (category, created_at)
         for table, columns in EVENT_TABLES.items():
             self.db[table].create(columns, foreign_keys=[("run_id", "runs", "id")], if_not_exists=True)
+            for name, kind in columns.items():  # a database from an older version gains the new columns
+                if name not in self.db[table].columns_dict:
+                    self.db[table].add_column(name, kind)
             # tokens are read per run and engine in order (rebuilding a run, the CSV export): one index does it all
             self.db[table].create_index(["run_id", "engine", "seq"] if table == "tokens" else ["run_id"],
                                         if_not_exists=True)
@@ -372,10 +375,10 @@ class History:
                 continue
             r = RunResult(engine=engine, method=row["method"] if engine == "speculative" else "none", prompt_tokens=0)
             r.tokens = tokens
-            r.steps = [StepRecord(**{k: st[k] for k in StepRecord.__dataclass_fields__})
-                       for st in self.db["steps"].rows_where("run_id = ? AND engine = ?", [run_id, engine], order_by="rowid")]
-            r.policy = [PolicyEvent(**{k: p[k] for k in PolicyEvent.__dataclass_fields__})
-                        for p in self.db["policy"].rows_where("run_id = ? AND engine = ?", [run_id, engine], order_by="rowid")]
+            r.steps = [_step(st) for st in
+                       self.db["steps"].rows_where("run_id = ? AND engine = ?", [run_id, engine], order_by="rowid")]
+            r.policy = [_policy(p) for p in
+                        self.db["policy"].rows_where("run_id = ? AND engine = ?", [run_id, engine], order_by="rowid")]
             r.output_text = row.get(f"{engine}_output") or ""
             r.output_ids = [t.token_id for t in r.output_tokens]
             r.metrics = json.loads(row.get(f"{engine}_metrics") or "{}")
@@ -395,6 +398,15 @@ def _token_row(t: TokenEvent) -> dict:
     except UnicodeEncodeError:  # a lone surrogate (half an emoji from a server's stream) is not UTF-8: store U+FFFD
         row["text"] = LONE_SURROGATE.sub("\ufffd", row["text"])
     return row
+
+
+def _step(row: dict) -> StepRecord:
+    fields = {k: row[k] for k in StepRecord.__dataclass_fields__}
+    return StepRecord(**fields | {"drafter": fields["drafter"] or ""})  # NULL in rows saved before it existed
+
+
+def _policy(row: dict) -> PolicyEvent:
+    return PolicyEvent(row["step"], PolicyAction(row["action"]), row["k"], row["reason"], row["time_s"])
 
 
 def _token(row: dict) -> TokenEvent:

@@ -25,7 +25,7 @@ from typing import Callable
 import pandas as pd
 from tqdm import tqdm
 
-from engine.request import Request
+from engine.request import METHODS, Request
 from engine.stats import bootstrap_ci, ratio_ci
 from engine.vllm_backend import speculative_config
 from specconsole.advisor import Advice, ab_conclusion, advise
@@ -39,7 +39,7 @@ SWEEPS = {
     "none": [""],
     "k": ["1", "2", "4", "8", "dynamic"],
     "temperature": ["0", "0.4", "0.8", "1.2"],
-    "method": ["draft", "ngram"],  # with the vLLM backend: its methods, e.g. ngram,draft_model,eagle
+    "method": list(METHODS),  # with the vLLM backend: its methods, e.g. ngram,draft_model,eagle
     "context": ["short", "long"],
     "concurrency": ["1", "2", "4", "8", "16"],
 }
@@ -55,7 +55,7 @@ def request_for(base: Request, item: SuitePrompt, variable: str = "none", value:
         return replace(req, dynamic_k=True, k=4) if value == "dynamic" else replace(req, dynamic_k=False, k=int(value))
     if variable == "temperature":
         return replace(req, sampling=replace(req.sampling, temperature=float(value)))
-    if variable == "method" and value in ("draft", "ngram"):  # vLLM's methods live in its speculative server
+    if variable == "method" and value in METHODS:  # vLLM's methods live in its speculative server
         return replace(req, method=value)
     if variable == "context" and value == "long":
         document = LONG_DOCUMENT.read_text()

@@ -2,10 +2,10 @@
 
 import pytest
 
-from engine.drafters import DraftModelProposer, NgramProposer
+from engine.drafters import DraftModelProposer, HybridProposer, NgramProposer
 from engine.events import RunResult, TokenKind
 from engine.local import generate_baseline, generate_speculative
-from engine.policy import SpecPolicy
+from engine.policy import PolicyConfig, SpecPolicy
 from engine.sampling import SamplingParams
 from engine.stops import StopConditions
 
@@ -27,6 +27,10 @@ def speculative(model, tok, proposer, prompt, stops, policy):
     return last(generate_speculative(model, tok, proposer, prompt, GREEDY, stops, policy))
 
 
+def fixed(k):
+    return SpecPolicy(PolicyConfig(k=k))
+
+
 def draft_proposer(draft, target):
     return DraftModelProposer(draft, target.config.vocab_size, GREEDY, None)
 
@@ -36,7 +40,7 @@ def test_draft_model_fixed_k(tiny_pair, smol_tokenizer, k):
     target, draft = tiny_pair
     stops = StopConditions(60)
     b = baseline(target, smol_tokenizer, PROMPT, stops)
-    s = speculative(target, smol_tokenizer, draft_proposer(draft, target), PROMPT, stops, SpecPolicy(k=k))
+    s = speculative(target, smol_tokenizer, draft_proposer(draft, target), PROMPT, stops, fixed(k))
     assert s.output_ids == b.output_ids
     assert len(s.output_ids) == 60 and s.finish_reason == "length"
     kinds = {t.kind for t in s.tokens}
@@ -49,7 +53,7 @@ def test_dynamic_k_and_fallback(tiny_pair, smol_tokenizer):
     target, draft = tiny_pair
     stops = StopConditions(80)
     b = baseline(target, smol_tokenizer, PROMPT, stops)
-    policy = SpecPolicy(k=2, dynamic=True, k_max=12, fallback=True)
+    policy = SpecPolicy(PolicyConfig(k=2, dynamic=True, k_max=12, per_token=False, fallback=True))
     s = speculative(target, smol_tokenizer, draft_proposer(draft, target), PROMPT, stops, policy)
     assert s.output_ids == b.output_ids
     assert s.steps[1].drafted == 0  # one plain step measured the target's cost before any decision
@@ -62,7 +66,7 @@ def test_per_token_draft_stop(tiny_pair, smol_tokenizer):
     stops = StopConditions(80)
     b = baseline(target, smol_tokenizer, PROMPT, stops)
     # a (pretend) dear target step makes drafting look cheap, so that the draft's confidence decides the length
-    policy = SpecPolicy(k=2, dynamic=True, k_max=12, per_token=True, target_step_ms=1000.0)
+    policy = SpecPolicy(PolicyConfig(k=2, dynamic=True, k_max=12, per_token=True), target_step_ms=1000.0)
     s = speculative(target, smol_tokenizer, draft_proposer(draft, target), PROMPT, stops, policy)
     assert s.output_ids == b.output_ids
     assert policy.draft_stop() is not None  # the costs were measured, so the rule was in charge
@@ -75,9 +79,26 @@ def test_ngram(tiny_pair, smol_tokenizer, k):
     target, _ = tiny_pair
     stops = StopConditions(60)
     b = baseline(target, smol_tokenizer, PROMPT, stops)
-    s = speculative(target, smol_tokenizer, NgramProposer(1, 3), PROMPT, stops, SpecPolicy(k=k))
+    s = speculative(target, smol_tokenizer, NgramProposer(1, 3), PROMPT, stops, fixed(k))
     assert s.output_ids == b.output_ids
     assert s.metrics["drafted"] > 0
+
+
+@pytest.mark.parametrize("min_match,dynamic", [(2, False), (1, True)])
+def test_hybrid(tiny_pair, smol_tokenizer, min_match, dynamic):
+    """n-gram lookup where it matches, the draft model elsewhere: both take turns, the output stays the baseline's.
+    (The tiny random model's text rarely repeats 3 tokens, the default match; real weights test that one.)"""
+    target, draft = tiny_pair
+    stops = StopConditions(80)
+    b = baseline(target, smol_tokenizer, PROMPT, stops)
+    proposer = HybridProposer(draft_proposer(draft, target), NgramProposer(min_match, 4))
+    # dynamic: per-token stopping for the draft model's steps, the draft-length cap for both
+    config = PolicyConfig(k=4, dynamic=dynamic, k_max=12)
+    s = speculative(target, smol_tokenizer, proposer, PROMPT, stops, SpecPolicy(config, target_step_ms=1000.0))
+    assert s.output_ids == b.output_ids
+    assert s.method == "hybrid"
+    assert {st.drafter for st in s.steps if st.drafted} == {"draft", "ngram"}
+    assert all(st.drafter == "" for st in s.steps if not st.drafted)
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 3, 7, 17])
@@ -85,14 +106,14 @@ def test_max_tokens_never_overshoots(tiny_pair, smol_tokenizer, max_new):
     target, draft = tiny_pair
     stops = StopConditions(max_new)
     b = baseline(target, smol_tokenizer, PROMPT, stops)
-    s = speculative(target, smol_tokenizer, draft_proposer(draft, target), PROMPT, stops, SpecPolicy(k=8))
+    s = speculative(target, smol_tokenizer, draft_proposer(draft, target), PROMPT, stops, fixed(8))
     assert s.output_ids == b.output_ids
     assert len(s.output_ids) == max_new
 
 
 def test_eos_in_the_middle_of_a_step(tiny_pair, smol_tokenizer):
     target, draft = tiny_pair
-    free = speculative(target, smol_tokenizer, draft_proposer(draft, target), PROMPT, StopConditions(60), SpecPolicy(k=4))
+    free = speculative(target, smol_tokenizer, draft_proposer(draft, target), PROMPT, StopConditions(60), fixed(4))
     # an accepted token with more committed tokens after it in its step makes a mid-step EOS
     mid = next(
         t for t in free.tokens
@@ -101,14 +122,14 @@ def test_eos_in_the_middle_of_a_step(tiny_pair, smol_tokenizer):
     )
     stops = StopConditions(60, eos_ids=frozenset({mid.token_id}))
     b = baseline(target, smol_tokenizer, PROMPT, stops)
-    s = speculative(target, smol_tokenizer, draft_proposer(draft, target), PROMPT, stops, SpecPolicy(k=4))
+    s = speculative(target, smol_tokenizer, draft_proposer(draft, target), PROMPT, stops, fixed(4))
     assert b.finish_reason == s.finish_reason == "eos"
     assert s.output_ids == b.output_ids == free.output_ids[: mid.index + 1]
 
 
 def test_stop_string_in_the_middle_of_a_step(tiny_pair, smol_tokenizer):
     target, draft = tiny_pair
-    free = speculative(target, smol_tokenizer, draft_proposer(draft, target), PROMPT, StopConditions(60), SpecPolicy(k=4))
+    free = speculative(target, smol_tokenizer, draft_proposer(draft, target), PROMPT, StopConditions(60), fixed(4))
     text = ""
     for t in free.output_tokens:
         before, text = text, text + t.text
@@ -122,7 +143,7 @@ def test_stop_string_in_the_middle_of_a_step(tiny_pair, smol_tokenizer):
         pytest.fail("no accepted token with text in the middle of a step")
     stops = StopConditions(60, stop_strings=(stop,))
     b = baseline(target, smol_tokenizer, PROMPT, stops)
-    s = speculative(target, smol_tokenizer, draft_proposer(draft, target), PROMPT, stops, SpecPolicy(k=4))
+    s = speculative(target, smol_tokenizer, draft_proposer(draft, target), PROMPT, stops, fixed(4))
     assert b.finish_reason == s.finish_reason == "stop"
     assert s.output_ids == b.output_ids == free.output_ids[: t.index + 1]
     assert s.output_text.endswith(stop)

@@ -20,7 +20,7 @@ from engine.drafters import Proposal
 from engine.events import RunResult, StepRecord, TokenEvent, TokenKind
 from engine.local import _Recorder, generate_speculative
 from engine.metrics import run_metrics
-from engine.policy import SpecPolicy
+from engine.policy import PolicyConfig, SpecPolicy
 from engine.sampling import SamplingParams
 from engine.stops import StopConditions
 from specconsole import runner
@@ -304,7 +304,7 @@ def test_engine_shows_a_rejected_split_character_once(tiny_chat_pair, smol_token
     parrot = smol_tokenizer.encode(PARROT, add_special_tokens=False)
     prompt = smol_tokenizer.encode("Say a bird.", add_special_tokens=False)
     events = list(generate_speculative(target, smol_tokenizer, ParrotProposer(parrot), prompt, SamplingParams(),
-                                       StopConditions(30), SpecPolicy(k=3)))
+                                       StopConditions(30), SpecPolicy(PolicyConfig(k=3))))
     result = events[-1]
     steps = {}
     for t in result.tokens:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.drafters import NgramProposer
+from engine.drafters import HybridProposer, NgramProposer, Proposal
 
 
 def test_longest_then_latest_match():
@@ -29,3 +29,32 @@ def test_no_match_means_no_draft():
 def test_bad_sizes():
     with pytest.raises(ValueError):
         NgramProposer(3, 2)
+
+
+class _Model:
+    """Stands in for a DraftModelProposer: records its calls and drafts 0s."""
+
+    generator = None
+
+    def __init__(self):
+        self.calls = []
+
+    def propose(self, ids, k, stop=None):
+        self.calls.append((len(ids), k, stop))
+        return Proposal([0] * k, None, "draft")
+
+    def update(self, ids):
+        pass
+
+
+def test_hybrid_looks_up_long_matches_and_drafts_elsewhere():
+    model = _Model()
+    hybrid = HybridProposer(model, NgramProposer(3, 4))
+    copying = [1, 2, 3, 4, 5, 6, 9, 2, 3, 4]  # the tail [2, 3, 4] occurred before: the text is copying
+    proposal = hybrid.propose(copying, 2, stop="rule")
+    assert (proposal.ids, proposal.drafter, model.calls) == ([5, 6], "ngram", [])
+    short = [1, 2, 3, 4, 5, 6, 9, 3, 4]  # only [3, 4] repeats: too weak a match, the draft model drafts
+    proposal = hybrid.propose(short, 2, stop="rule")
+    assert (proposal.ids, proposal.drafter, model.calls) == ([0, 0], "draft", [(9, 2, "rule")])
+    hybrid.generator = "g"  # the engine hands its seeded generator to the draft model
+    assert model.generator == "g"

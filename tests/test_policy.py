@@ -1,7 +1,8 @@
 """The K policy and the fallback, on constructed step records."""
 
-from engine.events import StepRecord
-from engine.policy import DraftStop, SpecPolicy
+from engine.events import PolicyAction, StepRecord
+from engine.policy import DraftStop, PolicyConfig, SpecPolicy
+from engine.request import Request
 
 
 def spec_step(drafted, accepted, draft_ms=10.0, verify_ms=110.0):
@@ -12,54 +13,59 @@ def plain_step(ms=100.0):
     return StepRecord(1, 0, 0, 1, 0.0, ms, 0.0)
 
 
+def iid(k, **kw):
+    """Dynamic K from the i.i.d. acceptance model (no per-token stopping)."""
+    return SpecPolicy(PolicyConfig(k=k, dynamic=True, per_token=False, **kw), target_step_ms=100.0)
+
+
 def test_measures_a_plain_step_before_deciding():
-    policy = SpecPolicy(k=4, dynamic=True)
+    policy = SpecPolicy(PolicyConfig(k=4, dynamic=True))
     assert policy.next_k() == 0
     policy.observe(plain_step())
     assert policy.target_step_ms == 100.0 and policy.next_k() == 4
 
 
 def test_dynamic_k_grows_when_everything_is_accepted():
-    policy = SpecPolicy(k=4, dynamic=True, k_max=16, target_step_ms=100.0)
+    policy = iid(4, k_max=16)
     decisions = []
     for _ in range(8):
-        decisions += policy.observe(spec_step(policy.k, policy.k, draft_ms=5.0, verify_ms=104.0))
-    assert policy.k >= 12
-    assert decisions and decisions[0][0] == "k_change"
+        decisions += policy.observe(spec_step(policy.current_k, policy.current_k, draft_ms=5.0, verify_ms=104.0))
+    assert policy.current_k >= 12
+    assert decisions and decisions[0].action == PolicyAction.K_CHANGE
 
 
 def test_dynamic_k_shrinks_when_drafts_fail():
-    policy = SpecPolicy(k=8, dynamic=True, target_step_ms=100.0)
+    policy = iid(8)
     for _ in range(8):
-        policy.observe(spec_step(policy.k, 0))
-    assert policy.k == 1
+        policy.observe(spec_step(policy.current_k, 0))
+    assert policy.current_k == 1
 
 
 def test_k_follows_the_costs():
     """Same acceptance, dearer draft: a shorter K is best."""
-    cheap = SpecPolicy(k=4, dynamic=True, target_step_ms=100.0)
-    dear = SpecPolicy(k=4, dynamic=True, target_step_ms=100.0)
+    cheap = iid(4)
+    dear = iid(4)
     for _ in range(8):
         cheap.observe(spec_step(4, 3, draft_ms=2.0))
         dear.observe(spec_step(4, 3, draft_ms=40.0))
-    assert cheap.k > dear.k
+    assert cheap.current_k > dear.current_k
 
 
 def test_fallback_and_resume():
-    policy = SpecPolicy(k=4, fallback=True, window=3, cooldown=2, target_step_ms=100.0)
+    policy = SpecPolicy(PolicyConfig(k=4, fallback=True, window=3, cooldown=2), target_step_ms=100.0)
     decisions = []
     for _ in range(3):  # 1 token per 150 ms is worse than 1 per 100 ms
         decisions += policy.observe(spec_step(4, 0, draft_ms=10.0, verify_ms=110.0))
-    assert [d[0] for d in decisions] == ["fallback"]
-    assert "tok/s" in decisions[0][2]
+    assert [d.action for d in decisions] == [PolicyAction.FALLBACK]
+    assert "tok/s" in decisions[0].reason and decisions[0].action == "fallback"  # still the saved string
     assert policy.next_k() == 0
     assert policy.observe(plain_step()) == []
-    assert [d[0] for d in policy.observe(plain_step())] == ["resume"]
+    assert [d.action for d in policy.observe(plain_step())] == [PolicyAction.RESUME]
     assert policy.next_k() == 4
 
 
 def test_no_fallback_when_speculation_pays():
-    policy = SpecPolicy(k=4, fallback=True, window=3, target_step_ms=100.0)
+    policy = SpecPolicy(PolicyConfig(k=4, fallback=True, window=3), target_step_ms=100.0)
     for _ in range(10):
         assert policy.observe(spec_step(4, 4)) == []
 
@@ -93,11 +99,47 @@ def test_draft_stop_rule_by_hand():
 
 
 def test_per_token_policy_drafts_up_to_k_max_once_costs_are_known():
-    policy = SpecPolicy(k=4, dynamic=True, k_max=16, per_token=True, target_step_ms=100.0)
+    policy = SpecPolicy(PolicyConfig(k=4, dynamic=True, k_max=16, per_token=True), target_step_ms=100.0)
     assert policy.draft_stop() is None and policy.next_k() == 4  # no draft cost measured yet
     decisions = []
     for _ in range(3):
         decisions += policy.observe(spec_step(4, 2, draft_ms=20.0, verify_ms=110.0))
-    assert policy.draft_stop() is not None and policy.next_k() == 16
+    assert policy.draft_stop() is not None and policy.current_k == 16
+    assert policy.next_k() == 6  # the cap: the recent drafts got 2 tokens accepted, so at most 2 * (2 + 1)
     # one recorded decision when the rule takes over; after that the rule, not K, decides each step's length
-    assert [d[:2] for d in decisions] == [("k_change", 16)] and "per-token" in decisions[0][2]
+    assert [(d.action, d.k) for d in decisions] == [(PolicyAction.K_CHANGE, 16)] and "per-token" in decisions[0].reason
+
+
+def test_config_is_fixed_and_the_running_k_is_state():
+    config = PolicyConfig(k=8, dynamic=True, per_token=False)
+    policy = SpecPolicy(config, target_step_ms=100.0)
+    for _ in range(8):
+        policy.observe(spec_step(policy.current_k, 0))
+    assert policy.current_k == 1 and config.k == 8  # the user's K is untouched
+    assert Request(prompt="x").per_token == PolicyConfig().per_token  # one default for both
+
+
+def test_draft_cap_follows_where_recent_drafts_were_rejected():
+    policy = SpecPolicy(PolicyConfig(k=4, dynamic=True, k_max=16), target_step_ms=100.0)  # per-token stopping
+    assert policy.draft_cap() == 16  # nothing seen yet
+    for _ in range(3):
+        policy.observe(spec_step(4, 4, draft_ms=20.0))
+    assert policy.current_k == 16 and policy.next_k() == 10  # 4 accepted in a row: up to 2 * (4 + 1)
+    for _ in range(4):  # confidently wrong: long drafts, nothing accepted
+        policy.observe(spec_step(policy.next_k(), 0, draft_ms=20.0))
+    assert policy.next_k() == 2  # a fifth wrong draft wastes 2 tokens, not 14
+    policy.observe(spec_step(2, 2, draft_ms=20.0))
+    assert policy.next_k() == 6  # a full acceptance lets the drafts grow again
+    for _ in range(3):
+        policy.observe(spec_step(policy.next_k(), policy.next_k(), draft_ms=20.0))
+    assert policy.next_k() == 16
+
+
+def test_draft_cap_leaves_a_fixed_k_alone_and_can_be_switched_off():
+    fixed = SpecPolicy(PolicyConfig(k=8, k_max=8), target_step_ms=100.0)
+    off = SpecPolicy(PolicyConfig(k=4, dynamic=True, k_max=16, cap_steps=0), target_step_ms=100.0)
+    for _ in range(4):
+        fixed.observe(spec_step(8, 0))
+        off.observe(spec_step(4, 2, draft_ms=20.0))
+    assert fixed.next_k() == 8  # the user's K
+    assert off.next_k() == 16  # the per-token rule's ceiling alone

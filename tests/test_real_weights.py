@@ -87,3 +87,12 @@ def test_sampled_run_reproducible_with_seed(smol_self_draft):
     assert first.output_ids == again.output_ids
     accepted = [t for t in first.output_tokens if t.kind == TokenKind.ACCEPTED]
     assert all(t.p is not None and t.q is not None for t in accepted)
+
+
+@pytest.mark.parametrize("dynamic_k", [False, True])
+def test_hybrid_greedy_identical(smol_self_draft, dynamic_k):
+    """The JSON prompt is copied (3-token matches: prompt lookup drafts) around text the draft model drafts."""
+    req = Request(prompt=PROMPTS[1], max_new_tokens=48, method="hybrid", k=4, dynamic_k=dynamic_k)
+    b, s = run(smol_self_draft, req, "baseline"), run(smol_self_draft, req, "speculative")
+    assert s.output_ids == b.output_ids
+    assert s.method == "hybrid" and {st.drafter for st in s.steps if st.drafted} == {"draft", "ngram"}

@@ -11,10 +11,10 @@ import torch
 from scipy.stats import chisquare
 
 import engine.local
-from engine.drafters import DraftModelProposer
+from engine.drafters import DraftModelProposer, HybridProposer, NgramProposer
 from engine.events import RunResult
 from engine.local import generate_speculative
-from engine.policy import DraftStop, SpecPolicy
+from engine.policy import DraftStop, PolicyConfig, SpecPolicy
 from engine.sampling import SamplingParams, rejection_sample, warp
 from engine.stops import StopConditions
 from engine.forward import forward, new_cache
@@ -115,6 +115,22 @@ class StopsWhenUnsure(DraftModelProposer):
         return super().propose(ids, k, DraftStop(alpha=0.8, token_ms=40.0, target_step_ms=100.0))
 
 
+class Hybrid(HybridProposer):
+    """Hybrid drafting; on a 16-token model a 1-token match is common, so lookup and draft model take turns."""
+
+    def __init__(self, draft, vocab_size, params, generator):
+        super().__init__(DraftModelProposer(draft, vocab_size, params, generator), NgramProposer(1, 2))
+
+
+class HybridDropsQ(Hybrid):
+    """A planted hybrid bug: the draft model's drafts verified as if they were lookups (q = one-hot)."""
+
+    def propose(self, ids, k, stop=None):
+        proposal = super().propose(ids, k, stop)
+        proposal.probs = None
+        return proposal
+
+
 def forward_logits(model, ids):
     return forward(model, ids, new_cache(model), keep=1)[-1]
 
@@ -149,7 +165,7 @@ def sampled_outputs(target, draft, proposer_cls, n, length, seed):
         params = SamplingParams(temperature=PARAMS.temperature, top_p=PARAMS.top_p, seed=seed * 100000 + i)
         proposer = proposer_cls(draft, V, params, None)
         *_, result = generate_speculative(
-            target, _Tok(), proposer, PROMPT, params, StopConditions(length), SpecPolicy(k=3)
+            target, _Tok(), proposer, PROMPT, params, StopConditions(length), SpecPolicy(PolicyConfig(k=3))
         )
         assert isinstance(result, RunResult) and result.error is None, result.error
         outs.append(result.output_ids)
@@ -187,3 +203,11 @@ def test_engine_test_catches_swapped_p_and_q(tiny16, monkeypatch):
 
 def test_engine_test_catches_top_p_on_one_side(tiny16):
     assert min(engine_pvalues(tiny16, OneSidedTopP)) < ALPHA
+
+
+def test_engine_keeps_target_distribution_with_hybrid_drafting(tiny16):
+    assert min(engine_pvalues(tiny16, Hybrid, length=4)) > ALPHA
+
+
+def test_engine_test_catches_a_hybrid_that_drops_q(tiny16):
+    assert min(engine_pvalues(tiny16, HybridDropsQ, length=4)) < ALPHA
