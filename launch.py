@@ -113,19 +113,25 @@ def demo(args) -> int:
 
 
 def _stream_to_terminal(backend, engine: str, req):
-    from engine.events import RunResult, TokenEvent
+    from dataclasses import replace
 
-    out, result = sys.stdout, None
+    from engine.events import Reclassified, RunResult, TokenEvent
+
+    out, result, tokens = sys.stdout, None, []
     out.write(f"\n== {engine} ==\n")
     for event in (backend.baseline if engine == "baseline" else backend.speculative)(req):
         if isinstance(event, TokenEvent):
+            tokens.append(replace(event))
             if not out.isatty():
                 if event.kind.value != "rejected":  # plain text output: the answer only
                     out.write(event.text)
                 continue
-            colour = COLOURS.get(event.kind.value, "")
-            out.write(f"{colour}{event.text}{RESET if colour else ''}")
+            out.write(_coloured(event))
             out.flush()
+        elif isinstance(event, Reclassified) and out.isatty():
+            # the kinds came at the end of the request (vLLM): the answer once more, coloured by its final kinds
+            event.apply(tokens)
+            out.write("\n-- the same tokens, by kind --\n" + "".join(_coloured(t) for t in tokens))
         elif isinstance(event, RunResult):
             result = event
     m = result.metrics
@@ -133,6 +139,11 @@ def _stream_to_terminal(backend, engine: str, req):
     out.write(f"\n[{result.finish_reason}{': ' + result.error if result.error else ''}] {m['output_tokens']} tokens, "
               f"{m['tokens_per_s'] or 0:.2f} tok/s, target passes {passes}\n")
     return result
+
+
+def _coloured(token) -> str:
+    colour = COLOURS.get(token.kind.value, "")
+    return f"{colour}{token.text}{RESET if colour else ''}"
 
 
 def _demo_lines(s: dict, c: dict) -> list[str]:
@@ -171,7 +182,9 @@ def local_host(args):
 
 def vllm_host(args):
     from engine.models import resolve
-    from engine.vllm_backend import VLLMBackend, has_gpu, speculative_config
+    from engine.vllm_backend import VLLMBackend
+    from engine.vllm_config import speculative_config
+    from engine.vllm_server import has_gpu
     from specconsole.host import ModelHost
 
     api_key = os.environ.get(args.vllm_api_key_env) or None

@@ -6,7 +6,7 @@ the console, the workbench, the model host and `launch.py` need from a backend i
 between backends is said in `Capabilities`, never probed with getattr/hasattr.
 
 Implementations: engine.local_backend.LocalBackend (our exact engines, in this process) and
-engine.vllm_backend.VLLMBackend (real vLLM servers over HTTP).
+engine.vllm_backend.VLLMBackend (real vLLM servers over HTTP; engine.vllm_client streams their answers).
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ class Backend(Protocol):
 
     def speculative(self, req: Request, cancel: threading.Event | None = None, clock: Clock = time.perf_counter
                     ) -> Iterator[Event]:
-        """Draft and verify. Token, step and policy events, then one RunResult."""
+        """Draft and verify. Token, step and policy events (a backend that learns the kinds only at the end streams
+        pending tokens and then one Reclassified), then one RunResult."""
 
     def score(self, req: Request, outputs: list[list[int]]) -> list[list[float]]:
         """Log-probability of each output token under the target (temperature 1), for the sampling check."""

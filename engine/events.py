@@ -9,8 +9,8 @@ the target scores them all in a single forward pass:
     bonus      the target's extra token after all K drafts were kept (sampled from p).
     baseline   a token from plain decoding: one target forward pass, one token, no draft involved (the
                baseline engine, the first token after prefill, and steps where speculation is switched off).
-    pending    a token streamed by a server that tells the kinds only when the request ends (vLLM): it is
-               re-classified then, or stays pending if the server never says.
+    pending    a token streamed by a server that tells the kinds only when the request ends (vLLM): a
+               Reclassified event then gives its kind, or it stays pending if the server never says.
 
 Output tokens are accepted + recovered/bonus (or baseline) tokens, in order. A step therefore commits between
 1 and K+1 tokens.
@@ -83,6 +83,24 @@ class PolicyEvent:
 
 
 @dataclass
+class Reclassified:
+    """The kinds of tokens already streamed as pending, told when the request ended (a vLLM server's per-step
+    counts). Yielded once, just before the RunResult; events already yielded are never changed afterwards, so a
+    consumer applies this to its own copies (`apply`). The RunResult carries the same final tokens."""
+
+    engine: str  # "speculative"
+    tokens: list[tuple[int, TokenKind, int, int]]  # (index in the output, kind, step, position in the step)
+
+    def apply(self, tokens: list[TokenEvent]) -> None:
+        """Set kind, step and position of the tokens (matched by output index) in place."""
+        by_index = {t.index: t for t in tokens if t.index is not None}
+        for index, kind, step, position in self.tokens:
+            token = by_index.get(index)
+            if token is not None:
+                token.kind, token.step, token.position = kind, step, position
+
+
+@dataclass
 class RunResult:
     engine: str  # "baseline" | "speculative"
     method: str  # "none" | "draft" | "ngram" | a vLLM method name
@@ -104,4 +122,4 @@ class RunResult:
 
 
 # What an engine's stream yields: events as they happen, then the RunResult last.
-Event = TokenEvent | StepRecord | PolicyEvent | RunResult
+Event = TokenEvent | StepRecord | PolicyEvent | Reclassified | RunResult

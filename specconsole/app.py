@@ -17,7 +17,8 @@ import pandas as pd
 from engine.request import MAX_NEW_TOKENS, Request
 from engine.models import ModelError
 from engine.sampling import MAX_K, SamplingParams, SettingsError
-from engine.vllm_backend import METHODS as VLLM_METHODS, VLLMError, speculative_config
+from engine.vllm_config import METHODS as VLLM_METHODS, speculative_config
+from engine.vllm_server import VLLMError
 from specconsole import charts
 from specconsole.export import export_csv
 from specconsole.history import History, HistoryError

@@ -21,10 +21,10 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from engine.check import sampling_check
-from engine.events import Event, RunResult, StepRecord
+from engine.events import Event, PolicyEvent, Reclassified, RunResult, StepRecord, TokenEvent
 from engine.metrics import compare, run_metrics
 from specconsole.history import EventLog, History, HistoryError
 from specconsole.machine import MachineLoad
@@ -81,7 +81,9 @@ class EngineClock:
 
 
 class LiveRun:
-    """One engine's events so far, as a RunResult whose metrics can be read mid-run."""
+    """One engine's events so far, as a RunResult whose metrics can be read mid-run. It keeps its own copies of the
+    tokens, so that a Reclassified event (vLLM's kinds, told at the end) changes them here and nowhere else; the
+    page and the history see the change by comparing kinds (render.PanelFeed, history.EventLog)."""
 
     def __init__(self, engine: str):
         self.result = RunResult(engine=engine, method="", prompt_tokens=0)
@@ -91,8 +93,16 @@ class LiveRun:
         if isinstance(event, RunResult):
             self.result, self.finished = event, True
             return
-        kind = {"TokenEvent": self.result.tokens, "StepRecord": self.result.steps, "PolicyEvent": self.result.policy}
-        kind[type(event).__name__].append(event)
+        if isinstance(event, Reclassified):
+            event.apply(self.result.tokens)
+        elif isinstance(event, TokenEvent):
+            self.result.tokens.append(replace(event))
+        elif isinstance(event, StepRecord):
+            self.result.steps.append(event)
+        elif isinstance(event, PolicyEvent):
+            self.result.policy.append(event)
+        else:
+            raise TypeError(f"not an engine event: {event!r}")
 
     def snapshot(self) -> RunResult:
         if not self.finished:

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from engine.request import METHODS, Request
 from engine.stats import bootstrap_ci, ratio_ci
-from engine.vllm_backend import speculative_config
+from engine.vllm_config import speculative_config
 from specconsole.advisor import Advice, ab_conclusion, advise
 from specconsole.history import History
 from specconsole.runner import ENGINES, Comparison

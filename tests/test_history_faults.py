@@ -10,6 +10,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 
 from engine.request import Request
 from engine.drafters import Proposal
-from engine.events import RunResult, StepRecord, TokenEvent, TokenKind
+from engine.events import Reclassified, RunResult, StepRecord, TokenEvent, TokenKind
 from engine.local import _Recorder, generate_speculative
 from engine.metrics import run_metrics
 from engine.policy import PolicyConfig, SpecPolicy
@@ -100,8 +101,11 @@ def test_events_are_saved_while_the_run_goes_on(backend, tmp_path, monkeypatch):
 
 
 class ReclassifyingBackend:
-    """Streams the speculative engine's tokens as 'pending' and tells their kinds only at the end, in place, as the
-    vLLM backend does."""
+    """Streams the speculative engine's tokens as 'pending' and tells their kinds only at the end, in a Reclassified
+    event before the result, as the vLLM backend does; the events it yielded stay as they were."""
+
+    def __init__(self):
+        self.streamed = {"baseline": [], "speculative": []}
 
     def baseline(self, req, cancel=None, clock=None):
         yield from self._stream("baseline", TokenKind.BASELINE)
@@ -115,12 +119,13 @@ class ReclassifyingBackend:
             time.sleep(0.01)
             token = TokenEvent(kind, 100 + i, f"w{i} ", 0, 0, 0.01 * i, i)
             result.tokens.append(token)
+            self.streamed[engine].append(token)
             yield token
         if engine == "speculative":
-            for i, token in enumerate(result.tokens):
-                token.kind = TokenKind.BONUS if i % 3 == 2 else TokenKind.ACCEPTED
-                token.step, token.position = i // 3, i % 3
+            result.tokens = [replace(t, kind=TokenKind.BONUS if i % 3 == 2 else TokenKind.ACCEPTED, step=i // 3,
+                                     position=i % 3) for i, t in enumerate(result.tokens)]
             result.steps = [StepRecord(s, 2, 2, 3, 0.0, 0.0, 0.01 * s) for s in range(4)]
+            yield Reclassified(engine, [(t.index, t.kind, t.step, t.position) for t in result.tokens])
         result.output_text = "".join(t.text for t in result.tokens)
         result.finish_reason, result.total_s = "length", 0.12
         result.metrics = run_metrics(result)
@@ -130,7 +135,8 @@ class ReclassifyingBackend:
 def test_tokens_reclassified_at_the_end_are_rewritten(tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "SAVE_EVERY_S", 0.0)
     history = History(tmp_path / "h.db")
-    comp = Comparison(ReclassifyingBackend(), Request(prompt="x", max_new_tokens=12), "race", history, {})
+    backend = ReclassifyingBackend()
+    comp = Comparison(backend, Request(prompt="x", max_new_tokens=12), "race", history, {})
     comp.start()
     _poll_to_end(comp)
     assert comp.saved_events.counts[("speculative", "tokens")] == 12
@@ -138,6 +144,8 @@ def test_tokens_reclassified_at_the_end_are_rewritten(tmp_path, monkeypatch):
                                      "engine = 'speculative' ORDER BY seq", [comp.run_id])
     assert saved == [(t.kind.value, t.step, t.position) for t in comp.results["speculative"].tokens]
     assert "pending" not in {kind for kind, _, _ in saved}
+    # the consumer changed its own copies: what the backend yielded is as it was yielded
+    assert [t.kind for t in backend.streamed["speculative"]] == [TokenKind.PENDING] * 12
 
 
 # --- two processes on one file -----------------------------------------------------------------------------------

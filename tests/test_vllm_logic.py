@@ -6,7 +6,9 @@ import json
 import pytest
 
 from engine.events import TokenKind
-from engine.vllm_backend import ServerConfig, VLLMError, metrics_delta, parse_metrics, speculative_config
+from engine.vllm_config import speculative_config
+from engine.vllm_metrics import metrics_delta, parse_metrics
+from engine.vllm_server import ServerConfig, VLLMError
 from engine.vllm_steps import classify, kinds, ngram_proposal, replay_ngram
 
 A, B, REC, BASE = TokenKind.ACCEPTED, TokenKind.BONUS, TokenKind.RECOVERED, TokenKind.BASELINE

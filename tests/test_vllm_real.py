@@ -16,10 +16,12 @@ from pathlib import Path
 import pytest
 
 from engine.request import Request
-from engine.events import RunResult, TokenEvent, TokenKind
+from engine.events import Reclassified, RunResult, TokenEvent, TokenKind
 from engine.metrics import compare
 from engine.sampling import SamplingParams
-from engine.vllm_backend import VLLMBackend, VLLMError, VLLMServer, ServerConfig, speculative_config
+from engine.vllm_backend import VLLMBackend
+from engine.vllm_config import speculative_config
+from engine.vllm_server import ServerConfig, VLLMError, VLLMServer
 from specconsole.history import History
 from specconsole.render import figures_html
 from specconsole.runner import Comparison
@@ -106,9 +108,13 @@ def test_both_stream_greedy_identical_and_exactly_classified(vllm):
     req = Request(prompt=JSON_PROMPT, max_new_tokens=60)
     _, b = run(vllm, "baseline", req)
     events, s = run(vllm, "speculative", req)
-    # tokens arrive one event at a time before the result, as pending until the final chunk classifies them
+    # tokens arrive one event at a time before the result, as pending; the final chunk's counts classify them in
+    # one Reclassified event just before the result, which leaves the events already yielded as they were
     streamed = [e for e in events if isinstance(e, TokenEvent)]
     assert len(streamed) == len(s.output_tokens) > 10
+    assert {t.kind for t in streamed} == {TokenKind.PENDING}
+    assert isinstance(events[-2], Reclassified)
+    assert [(k, st, pos) for _, k, st, pos in events[-2].tokens] == [(t.kind, t.step, t.position) for t in s.tokens]
     assert s.metrics["highlighting"] == "exact"
     assert compare(b, s, greedy=True)["identical"]
     kinds = [t.kind for t in s.output_tokens]

@@ -1,0 +1,26 @@
+"""The speculative methods a vLLM server serves, and the `--speculative-config` for one of them."""
+
+from __future__ import annotations
+
+from engine.sampling import MAX_K
+from engine.vllm_server import VLLMError
+
+METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa", "mtp", "suffix")
+
+
+def speculative_config(method: str, k: int, draft: str | None = None, ngram_min: int = 1, ngram_max: int = 4) -> dict:
+    """The --speculative-config for a method and K."""
+    if method not in METHODS:
+        raise VLLMError(f"unknown speculative method {method!r}; vLLM serves {', '.join(METHODS)}")
+    if not 1 <= k <= MAX_K:
+        raise VLLMError(f"K must be between 1 and {MAX_K}, got {k}")
+    config = {"method": method, "num_speculative_tokens": k}
+    if method == "ngram":
+        config |= {"prompt_lookup_min": ngram_min, "prompt_lookup_max": ngram_max}
+    elif method in ("draft_model", "eagle", "eagle3", "medusa"):
+        if not draft:
+            raise VLLMError(f"method {method!r} needs a draft model path")
+        config["model"] = draft
+    elif draft:  # mtp and suffix use the target's own heads / no model; a path is passed through when given
+        config["model"] = draft
+    return config

@@ -1,0 +1,269 @@
+"""The vLLM backend against servers that misbehave: a real HTTP server on a free port speaks the OpenAI streaming
+protocol (the /v1/models and /metrics that attach() probes, and streamed chat completions), and the real
+VLLMBackend.attach and httpx client talk to it. Nothing is mocked but the model.
+
+Every faulty stream must end the run with a clear RunResult.error, keep the tokens streamed before the fault, never
+hang and never raise out of the generator; per-step counts that contradict the streamed tokens leave them unplaced
+(pending, figures unknown) without an error."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from engine.events import Reclassified, RunResult, TokenEvent, TokenKind
+from engine.request import Request
+from engine.vllm_backend import VLLMBackend
+from engine.vllm_config import speculative_config
+from specconsole.render import PanelFeed
+from specconsole.runner import LiveRun
+
+STALL_S = 3.0  # the backend's stall timeout in these tests: a hang shows up as an error within it
+PROMPT_IDS = [1, 2, 3, 4]
+WORDS = ["alpha", " beta", " gamma", " delta", " eps", " zeta"]
+
+
+def sse(data) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
+
+
+def token_chunk(i: int) -> dict:
+    return {"id": "c", "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": {"content": WORDS[i]}, "finish_reason": None, "token_ids": [100 + i],
+                         "logprobs": {"content": [{"token": WORDS[i], "logprob": -0.1}]}}]}
+
+
+def stream(n_tokens: int = len(WORDS), spec: dict | None = None) -> list[bytes]:
+    """A well-formed vLLM chat stream of `n_tokens`, ending with the usage chunk (with `spec` as the per-request
+    speculative counts) and [DONE]."""
+    first = {"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "token_ids": [],
+                                     "finish_reason": None}], "prompt_token_ids": PROMPT_IDS}
+    last = {"id": "c", "choices": [{"index": 0, "delta": {"content": ""}, "token_ids": [], "finish_reason": "length",
+                                    "stop_reason": None}]}
+    usage = {"id": "c", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": n_tokens},
+             "metrics": {"time_to_first_token_ms": 3.0} | ({"speculative_decoding": spec} if spec else {})}
+    return ([sse(first)] + [sse(token_chunk(i)) for i in range(n_tokens)] + [sse(last), sse(usage), sse("[DONE]")])
+
+
+def spec_counts(accepted: list, drafted: list) -> dict:
+    steps, d, a = len(drafted), sum(drafted), sum(accepted)
+    return {"num_spec_steps": steps, "num_draft_tokens": d, "num_accepted_draft_tokens": a,
+            "draft_acceptance_rate": a / d if d else 0.0, "mean_acceptance_length": 1 + a / steps if steps else 0.0,
+            "per_step_accepted": accepted, "per_step_drafted": drafted}
+
+
+class FakeVLLM(ThreadingHTTPServer):
+    """One server; `body` is what the next completion streams, `close_after` makes it stop there (a crash)."""
+
+    daemon_threads = True
+
+    def __init__(self, speculative: bool):
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.speculative = speculative
+        self.body: list[bytes] = stream()
+        self.chunked = False  # HTTP/1.1 chunked transfer encoding (as uvicorn sends) instead of close-delimited
+        self.hang = False  # after the body, keep the connection open and send nothing
+        self.release = threading.Event()  # ends a hang when the test is over
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+
+    def handle_error(self, request, client_address):
+        pass  # a client that hangs up on a bad stream breaks the pipe: expected here
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: FakeVLLM
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    def do_GET(self):
+        if self.path == "/v1/models":
+            self._send(json.dumps({"data": [{"id": "fake", "root": "fake/model", "max_model_len": 2048}]}))
+        elif self.path == "/metrics":
+            # vllm:spec_decode_* counters only on a speculative server (attach() tells the two apart by them)
+            self._send('vllm:spec_decode_num_drafts_total{engine="0",model_name="fake"} 7.0\n'
+                       'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="fake"} 21.0\n'
+                       if self.server.speculative else "vllm:num_requests_running 0.0\n", "text/plain")
+        else:
+            self.send_error(404)
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        server = self.server
+        if server.chunked:
+            self.protocol_version = "HTTP/1.1"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        if server.chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for part in server.body:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part) if server.chunked else part)
+            self.wfile.flush()
+        if server.hang:
+            server.release.wait(30)
+        # no terminating zero-length chunk: a chunked body that stops here is cut off
+        self.close_connection = True
+
+    def _send(self, text: str, kind: str = "application/json"):
+        body = text.encode()
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def servers():
+    pair = [FakeVLLM(speculative=False), FakeVLLM(speculative=True)]
+    threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in pair]
+    for t in threads:
+        t.start()
+    yield pair
+    for s in pair:
+        s.release.set()
+        s.shutdown()
+        s.server_close()
+
+
+def attach(servers, speculative: dict | None = None) -> VLLMBackend:
+    backend = VLLMBackend.attach(servers[0].url, servers[1].url, speculative=speculative)
+    backend.stall_timeout = STALL_S
+    return backend
+
+
+def run(backend: VLLMBackend, engine: str = "speculative") -> tuple[list, RunResult, float]:
+    """All events of one run (the generator must not raise), the result, and how long it took."""
+    t0 = time.monotonic()
+    events = list(getattr(backend, engine)(Request(prompt="x", max_new_tokens=len(WORDS))))
+    assert isinstance(events[-1], RunResult) and not any(isinstance(e, RunResult) for e in events[:-1])
+    return events, events[-1], time.monotonic() - t0
+
+
+# --- the fake server speaks the protocol: a good run is classified -----------------------------------------------
+
+
+def test_a_well_formed_stream_is_classified_by_an_event(servers):
+    """Control for the faults below: 6 tokens, steps (0,0) + (3,3) + (2,1) place them exactly."""
+    servers[1].body = stream(spec=spec_counts([3, 1], [3, 2]))
+    events, result, _ = run(attach(servers))
+    assert result.error is None and result.finish_reason == "length"
+    assert result.metrics["highlighting"] == "exact"
+    streamed = [e for e in events if isinstance(e, TokenEvent)]
+    assert [t.kind for t in streamed] == [TokenKind.PENDING] * 6  # never changed after they were yielded
+    assert isinstance(events[-2], Reclassified)
+    expected = [TokenKind.BASELINE, TokenKind.ACCEPTED, TokenKind.ACCEPTED, TokenKind.ACCEPTED, TokenKind.BONUS,
+                TokenKind.ACCEPTED]
+    assert [t.kind for t in result.tokens] == expected
+    assert result.output_text == "".join(WORDS)
+
+    # the console's copy and the page: the panel is re-sent once, from the start, with the final kinds
+    live, feed = LiveRun("speculative"), PanelFeed("run")
+    messages = []
+    for event in events[:-1]:
+        live.apply(event)
+        messages.append(feed.message(live.result.tokens))
+    assert [t.kind for t in live.result.tokens] == expected
+    resets = [json.loads(m) for m in messages if m and json.loads(m)["reset"]]
+    assert len(resets) == 1 and resets[0]["start"] == 0 and "bonus" in "".join(resets[0]["tokens"])
+
+
+# --- (a) malformed and truncated streams ---------------------------------------------------------------------------
+
+
+BAD_CHUNKS = {
+    "not JSON": "data: {\"choices\": [{\"index\": 0, \"delta\": {\"content\": \"x\"",
+    "JSON but not an object": "data: 42",
+    "no choices": 'data: {"id": "c", "object": "chat.completion.chunk"}',
+    "text without token ids": 'data: {"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": null}]}',
+    "token ids that are not integers": 'data: {"choices": [{"index": 0, "delta": {"content": "x"}, '
+                                       '"token_ids": ["x"]}]}',
+    "a logprob that is not a number": 'data: {"choices": [{"index": 0, "delta": {"content": "x"}, "token_ids": [9], '
+                                      '"logprobs": {"content": [{"token": "x", "logprob": "high"}]}}]}',
+    "an error report": 'data: {"error": {"message": "CUDA out of memory", "type": "InternalServerError"}}',
+}
+
+
+@pytest.mark.parametrize("engine", ["baseline", "speculative"])
+@pytest.mark.parametrize("bad", list(BAD_CHUNKS))
+def test_a_malformed_chunk_ends_the_run_with_an_error(servers, bad, engine):
+    server = servers[0 if engine == "baseline" else 1]
+    good = stream()
+    server.body = good[:4] + [(BAD_CHUNKS[bad] + "\n\n").encode()] + good[4:]  # after 3 tokens
+    events, result, took = run(attach(servers), engine)
+    assert result.finish_reason == "error" and f"the {engine} vLLM server failed: StreamError" in result.error
+    assert ("error mid-answer: CUDA out of memory" if bad == "an error report" else "stream chunk") in result.error
+    assert [t.token_id for t in result.tokens] == [100, 101, 102]  # the tokens it had
+    assert result.output_text == "".join(WORDS[:3])
+    assert not any(isinstance(e, Reclassified) for e in events) and took < STALL_S
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["connection-closed", "chunked-body-cut"])
+def test_a_stream_cut_off_mid_chunk_ends_with_an_error(servers, chunked):
+    good = stream()
+    servers[1].body = good[:4] + [good[4][:25]]  # half of the 4th token's line, then the connection closes
+    servers[1].chunked = chunked
+    _, result, took = run(attach(servers))
+    assert result.finish_reason == "error" and result.error.startswith("the speculative vLLM server failed")
+    assert [t.token_id for t in result.tokens] == [100, 101, 102] and took < STALL_S
+    # close-delimited: the partial line is read and cannot be parsed; chunked: httpx sees the body cut short
+    assert ("stream chunk is not JSON" if not chunked else "RemoteProtocolError") in result.error
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["connection-closed", "chunked-body-cut"])
+def test_a_stream_without_done_ends_with_an_error(servers, chunked):
+    """Whole chunks, the finish reason even, and then the connection closes without `data: [DONE]`."""
+    servers[0].body = stream()[:-2]  # no usage chunk, no [DONE]
+    servers[0].chunked = chunked
+    _, result, took = run(attach(servers), "baseline")
+    assert result.finish_reason == "error" and took < STALL_S
+    assert ("before its last line (data: [DONE])" if not chunked else "RemoteProtocolError") in result.error
+    assert [t.token_id for t in result.tokens] == list(range(100, 106))
+
+
+def test_a_server_that_stops_sending_is_reported_not_waited_for(servers):
+    servers[1].body, servers[1].hang = stream()[:3], True  # two tokens, then silence with the connection open
+    _, result, took = run(attach(servers))
+    assert result.finish_reason == "error" and "stopped answering: ReadTimeout" in result.error
+    assert len(result.tokens) == 2 and STALL_S <= took < STALL_S + 5
+
+
+# --- (b) per-step counts that contradict the streamed tokens -------------------------------------------------------
+
+
+CONTRADICTIONS = {
+    "too many tokens counted": ([3, 3, 3], [3, 3, 3], None),  # 1 + 4 + 4 + 4 = 13 for 6, two steps too many
+    "too few tokens counted": ([0], [3], None),  # 1 + 1 = 2 for 6, and no n-gram replay to place the rest
+    "n-gram replay disagrees": ([0], [3], speculative_config("ngram", 3)),  # the replay drafts nothing here
+    "arrays of different lengths": ([3, 1], [3], None),
+    "more accepted than drafted": ([3, 4], [3, 2], None),
+    "counts that are not numbers": (["3", None], [3, 2], None),
+}
+
+
+@pytest.mark.parametrize("case", list(CONTRADICTIONS))
+def test_counts_that_do_not_add_up_leave_the_tokens_unplaced(servers, case):
+    accepted, drafted, config = CONTRADICTIONS[case]
+    servers[1].body = stream(spec=spec_counts([a if isinstance(a, int) else 0 for a in accepted], drafted)
+                             | {"per_step_accepted": accepted})
+    events, result, _ = run(attach(servers, config))
+    assert result.error is None and result.finish_reason == "length"
+    assert not any(isinstance(e, Reclassified) for e in events)
+    assert [t.kind for t in result.tokens] == [TokenKind.PENDING] * 6 and result.steps == []
+    m = result.metrics
+    assert "tokens unplaced" in m["highlighting"] and "tokens stay pending" in m["highlighting"]
+    assert m["target_passes"] is None and m["passes_saved"] is None and m["mean_k"] is None
+    assert m["steps"] == len(drafted) and m["drafted"] == sum(drafted)  # the server's own counts are still shown
+    assert m["server_delta"]["num_drafts"] == 0.0  # /metrics was read before and after
+
+
+def test_a_usage_chunk_without_counts_says_unknown(servers):
+    servers[1].body = stream(spec={"num_spec_steps": 2})  # counts, but no per-step arrays
+    events, result, _ = run(attach(servers))
+    assert result.error is None and not any(isinstance(e, Reclassified) for e in events)
+    assert result.metrics["target_passes"] is None and "tokens stay pending" in result.metrics["highlighting"]
