@@ -85,7 +85,7 @@ class LocalBackend:
         """The prompt as the target's tokens, after checking that this backend can serve `req`."""
         req.validate()
         if req.method in MODEL_METHODS and self.draft is None:
-            raise SettingsError(f"{req.method} drafting needs a draft model and this setup has none: choose n-gram "
+            raise SettingsError(f"this setup has no draft model, which {req.method} drafting needs: choose n-gram "
                                 "drafting or load a draft")
         ids = encode_prompt(self.target.tokenizer, req.prompt, req.chat, req.earlier_turns)
         room = self.target.max_context - req.max_new_tokens

@@ -33,10 +33,11 @@ def test_bad_requests(backend, request_, message):
         list(backend.speculative(request_))
 
 
-def test_no_draft_loaded(tiny_pair, smol_tokenizer):
+@pytest.mark.parametrize("method", ["draft", "hybrid"])
+def test_no_draft_loaded(tiny_pair, smol_tokenizer, method):
     backend = LocalBackend(LoadedModel("tiny", tiny_pair[0], smol_tokenizer, CPU))
     with pytest.raises(SettingsError, match="no draft model"):
-        list(backend.speculative(Request(prompt="hi", method="draft")))
+        list(backend.speculative(Request(prompt="hi", method=method)))
 
 
 def test_tokenizer_mismatch_is_refused(tiny_pair, smol_tokenizer):

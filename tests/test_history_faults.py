@@ -18,7 +18,7 @@ import pytest
 
 from engine.request import Request
 from engine.drafters import Proposal
-from engine.events import Reclassified, RunResult, StepRecord, TokenEvent, TokenKind
+from engine.events import PolicyAction, PolicyEvent, Reclassified, RunResult, StepRecord, TokenEvent, TokenKind
 from engine.local import _Recorder, generate_speculative
 from engine.metrics import run_metrics
 from engine.policy import PolicyConfig, SpecPolicy
@@ -455,3 +455,24 @@ def test_export_of_everything_streams_in_bounded_memory(big, tmp_path):
         assert sum(1 for _ in csv.DictReader(f)) == counts["runs"]
     # generous: a tenth of the file it wrote (a whole-table DataFrame would take several times the file)
     assert grew < max(64 * 2**20, m["tokens_csv"] / 10), m
+
+
+def test_steps_keep_their_drafter_and_an_older_history_gains_the_column(tmp_path):
+    path = tmp_path / "h.db"
+    history = History(path)
+    run_id = history.start_run(method="hybrid")
+    r = RunResult(engine="speculative", method="hybrid", prompt_tokens=1)
+    r.steps = [StepRecord(0, 0, 0, 1, 0.0, 1.0, 0.1), StepRecord(1, 3, 2, 3, 1.0, 2.0, 0.2, "ngram")]
+    r.policy = [PolicyEvent(1, PolicyAction.FALLBACK, 0, "why", 0.2)]
+    history.finish_run(run_id, "completed", {"speculative": r}, {})
+    back = history.results(run_id)["speculative"]
+    assert [s.drafter for s in back.steps] == ["", "ngram"]
+    assert back.policy[0].action is PolicyAction.FALLBACK
+    assert list(history.db.execute("SELECT action FROM policy")) == [("fallback",)]  # the plain string, as before
+    history.db.conn.close()
+    conn = sqlite3.connect(path)  # a history saved before steps had a drafter
+    conn.execute("ALTER TABLE steps DROP COLUMN drafter")
+    conn.commit()
+    conn.close()
+    history = History(path)
+    assert [s.drafter for s in history.results(run_id)["speculative"].steps] == ["", ""]

@@ -13,7 +13,7 @@ from specconsole.advisor import ab_conclusion, advise
 from specconsole.history import History
 from specconsole.report import ab_chart, speedup_chart, write_csvs, write_html
 from specconsole.suites import SuitePrompt, categories, load_file, load_suite
-from specconsole.workbench import ab_compare, aggregate, request_for, run_suite, runs_frame
+from specconsole.workbench import SWEEPS, ab_compare, aggregate, request_for, run_suite, runs_frame
 
 ITEMS = [SuitePrompt("code", "def add(a, b):"), SuitePrompt("code", "print('hello')"),
          SuitePrompt("chat", "hi there", 0.7, (("user", "hello"), ("assistant", "hi!")))]
@@ -45,6 +45,7 @@ def test_sweep_requests():
     assert request_for(base, item, "k", "8").k == 8 and request_for(base, item, "k", "dynamic").dynamic_k
     assert request_for(base, item, "temperature", "1.2", suite_temperature=False).sampling.temperature == 1.2
     assert request_for(base, item, "method", "ngram").method == "ngram"
+    assert request_for(base, item, "method", "hybrid").method == "hybrid" and "hybrid" in SWEEPS["method"]
     assert len(request_for(base, item, "context", "long").prompt) > 10 * len(item.prompt)
 
 
