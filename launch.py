@@ -39,19 +39,24 @@ def preset_of(args):
     return custom_preset(args.preset, args.target, args.draft)
 
 
-def add_request_args(p: argparse.ArgumentParser) -> None:
-    from engine.request import METHODS
+def add_request_args(p: argparse.ArgumentParser, suite: bool = False) -> None:
+    """The run's settings, with the defaults of engine.request (the page's controls start from the same)."""
+    from engine import request as r
 
-    p.add_argument("--method", default=None, choices=METHODS, help="default: the preset's")
-    p.add_argument("--k", type=int, default=4, help="draft tokens per step")
-    p.add_argument("--dynamic-k", action="store_true", help="draft length per step from measured costs (a draft model stops token by token)")
+    p.add_argument("--method", default=None, choices=r.METHODS, help="default: the preset's")
+    p.add_argument("--k", type=int, default=r.DEFAULT_K, help="draft tokens per step")
+    p.add_argument("--dynamic-k", action=argparse.BooleanOptionalAction, default=r.DEFAULT_DYNAMIC_K,
+                   help="draft length per step from measured costs (a draft model stops token by token)")
+    p.add_argument("--draft-confidence", type=float, default=r.DEFAULT_DRAFT_CONFIDENCE,
+                   help="a draft model stops drafting below this confidence (0 = off)")
     p.add_argument("--fallback", action="store_true", help="switch speculation off while it does not pay")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=r.SUITE_MAX_NEW_TOKENS if suite else r.DEFAULT_MAX_NEW_TOKENS)
+    if not suite:  # a suite's prompts each bring their temperature
+        p.add_argument("--temperature", type=float, default=r.DEFAULT_TEMPERATURE)
+        p.add_argument("--top-k", type=int, default=0)
+        p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--top-p", type=float, default=r.DEFAULT_TOP_P)
+    p.add_argument("--seed", type=int, default=r.DEFAULT_SEED)
 
 
 DEFAULT_DB = os.path.expanduser("~/.local/share/specconsole/history.db")
@@ -73,20 +78,16 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-api-key-env", default="VLLM_API_KEY", help="environment variable with the API key")
 
 
-def build_request(args, prompt: str):
-    from engine.request import Request
-    from engine.sampling import SamplingParams
+def build_request(args, prompt: str, default_method: str):
+    """The Request that the command line describes (engine.request.build_request, as the page's)."""
+    from engine.request import DEFAULT_TEMPERATURE, build_request as request
 
-    return Request(
-        prompt=prompt,
-        max_new_tokens=args.max_new_tokens,
-        sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.seed),
-        method=args.method or preset_of(args).method,
-        k=args.k,
-        dynamic_k=args.dynamic_k,
-        fallback=args.fallback,
-        stop_strings=tuple(args.stop),
-    )
+    extra = vars(args)
+    return request(prompt, max_new_tokens=args.max_new_tokens, top_p=args.top_p, seed=args.seed,
+                   temperature=extra.get("temperature", DEFAULT_TEMPERATURE), top_k=extra.get("top_k", 0),
+                   method=args.method or default_method, k=args.k, dynamic_k=args.dynamic_k,
+                   draft_confidence=args.draft_confidence, fallback=args.fallback,
+                   stop_strings=extra.get("stop", ()))
 
 
 def demo(args) -> int:
@@ -101,7 +102,7 @@ def demo(args) -> int:
             log.error("%s", host.status())
             return 2
         backend = host.backend
-        req = build_request(args, args.prompt)
+        req = build_request(args, args.prompt, host.method)
         backend.validate(req)  # before printing anything
         results = {engine: _stream_to_terminal(backend, engine, req) for engine in ("baseline", "speculative")}
         c = compare(results["baseline"], results["speculative"], req.sampling.greedy)
@@ -259,12 +260,9 @@ def _exit_on_signal(signum, frame):
 
 
 def suite(args) -> int:
-    from engine.request import Request
-    from engine.sampling import SamplingParams
     from specconsole.history import History
-    from specconsole.report import write_csvs, write_html
+    from specconsole.suite_job import SuiteJob, export_suite
     from specconsole.suites import categories, load_file, load_suite, suite_items
-    from specconsole.workbench import SWEEPS, advice_for, aggregate, concurrency_sweep, run_suite, runs_frame
 
     items = []
     try:
@@ -282,30 +280,24 @@ def suite(args) -> int:
         if not host.wait():
             log.error("%s", host.status())
             return 2
-        backend = host.backend
-        values = args.values.split(",") if args.values else SWEEPS[args.sweep]
-        out = Path(args.out)
-        if args.sweep == "concurrency":
-            conc = concurrency_sweep(backend, items, [int(v) for v in values], args.max_new_tokens)
-            conc.to_csv(out, index=False)
-            sys.stdout.write(conc.to_string(index=False) + "\n")
+        history = None if args.sweep == "concurrency" else History(args.db)  # the sweep is not saved as runs
+        job = SuiteJob(host.backend, history, items, build_request(args, "", host.method), args.mode, args.sweep,
+                       args.values.split(",") if args.values else None, args.repeats)
+        try:
+            job.check()
+        except ValueError as e:
+            log.error("%s", e)
+            return 2
+        job.run()
+        exported = export_suite(history, host.backend, job.suite_id, Path(args.out),
+                                Path(args.report) if args.report else None, host.label, job.concurrency)
+        if job.concurrency is not None:
+            sys.stdout.write(job.concurrency.to_string(index=False) + "\n")
             return 0
-        history = History(args.db)
-        base = Request(prompt="-", max_new_tokens=args.max_new_tokens, method=args.method or host.method, k=args.k,
-                       dynamic_k=args.dynamic_k, draft_confidence=args.draft_confidence,
-                       sampling=SamplingParams(0.0, 0, args.top_p, args.seed))
-        meta = {**backend.describe(), "method": base.method}
-        result = run_suite(backend, items, base, history, meta, args.mode, args.sweep, values, repeats=args.repeats)
-        runs = runs_frame(history, result.suite_id)
-        agg = aggregate(runs)
-        _, per_category = write_csvs(runs, agg, out)
-        advice = advice_for(backend, agg, None if args.sweep == "none" else args.sweep)
-        if args.report:
-            write_html(agg, advice, Path(args.report), result.suite_id, host.label)
+        agg = exported.aggregates
         sys.stdout.write(agg.drop(columns=["per_position", "prompt_speedups"]).to_string(index=False) + "\n\n")
-        sys.stdout.write("\n\n".join(a.markdown() for a in advice) + "\n")
-        log.info("suite %s: %d runs saved in %s; CSV %s and %s", result.suite_id, len(result.run_ids), args.db,
-                 out, per_category)
+        sys.stdout.write("\n\n".join(a.markdown() for a in exported.advice) + "\n")
+        log.info("suite %s: runs saved in %s; CSV %s", job.suite_id, args.db, " and ".join(map(str, exported.paths)))
         return 0
     finally:
         host.close()
@@ -350,13 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--repeats", type=int, default=1,
                        help="runs per prompt, interleaved, alternating which engine goes first; 2+ measure the noise")
         p.add_argument("--mode", default="fair", choices=["fair", "race"])
-        p.add_argument("--method", choices=METHODS)
-        p.add_argument("--k", type=int, default=4)
-        p.add_argument("--dynamic-k", action="store_true")
-        p.add_argument("--draft-confidence", type=float, default=0.4)
-        p.add_argument("--max-new-tokens", type=int, default=64)
-        p.add_argument("--top-p", type=float, default=1.0)
-        p.add_argument("--seed", type=int, default=0)
+        add_request_args(p, suite=True)
         p.add_argument("--out", default="results.csv", help="per-run CSV (the per-category CSV goes beside it)")
         p.add_argument("--report", help="also write a self-contained HTML report here")
         args, run = p.parse_args(argv[1:]), suite

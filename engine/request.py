@@ -56,3 +56,32 @@ class Request:
         k_max = max(self.k_max, self.k) if self.dynamic_k else self.k
         return PolicyConfig(k=self.k, dynamic=self.dynamic_k, k_max=k_max, fallback=self.fallback,
                             per_token=self.per_token and self.method in MODEL_METHODS)
+
+
+# --- one request builder --------------------------------------------------------------------------------------------
+# The defaults of a run, used by the page's controls, `launch.py demo`, `launch.py suite` and the Workbench alike.
+DEFAULT_MAX_NEW_TOKENS = 128
+SUITE_MAX_NEW_TOKENS = 64  # a suite runs many prompts, each twice: shorter answers keep it to minutes
+DEFAULT_K = 4
+DEFAULT_DYNAMIC_K = True
+DEFAULT_DRAFT_CONFIDENCE = 0.4
+DEFAULT_TEMPERATURE = 0.0
+DEFAULT_TOP_P = 1.0
+DEFAULT_SEED = 0  # sampled runs repeat exactly unless the user picks another seed
+
+
+def build_request(prompt: str = "", *, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, temperature=DEFAULT_TEMPERATURE,
+                  top_p=DEFAULT_TOP_P, top_k: int = 0, seed=DEFAULT_SEED, method: str = "draft", k=DEFAULT_K,
+                  dynamic_k=DEFAULT_DYNAMIC_K, draft_confidence=DEFAULT_DRAFT_CONFIDENCE, fallback=False,
+                  stop_strings=()) -> Request:
+    """The Request of the page, the CLI and the suites. Takes the loose values a form or argparse gives (floats for
+    ints, "" or None for no seed). A suite's base request has an empty prompt: each suite entry brings its own."""
+    return Request(
+        prompt=prompt or "", max_new_tokens=int(max_new_tokens),
+        sampling=SamplingParams(float(temperature), int(top_k), float(top_p),
+                                None if seed in (None, "") else int(seed)),
+        method=method, k=int(k), dynamic_k=bool(dynamic_k), k_max=max(16, int(k)),
+        # the draft model's own confidence: meaningless for other drafters, so not saved with their runs
+        draft_confidence=float(draft_confidence) if method in MODEL_METHODS else 0.0,
+        fallback=bool(fallback), stop_strings=tuple(s for s in stop_strings if s),
+    )

@@ -272,6 +272,18 @@ class Comparison:
                            "are kept; once the file can be written again (free disk space), the next run is saved.")
 
 
+def run_meta(backend, request) -> dict:
+    """Who served a run, saved with it: the backend's description and the drafting method that actually ran. Where
+    the backend applies the request's method (local), that is the request's; where it does not (vLLM), it is the
+    one the server was started with, whatever the form or the command line said."""
+    meta = backend.describe()
+    if "method" not in backend.ignored_settings(request):
+        meta["method"] = request.method
+        if request.method == "ngram":  # prompt lookup: no second model took part
+            meta["draft_model"] = None
+    return meta
+
+
 def _settings(request) -> dict:
     d = asdict(request)
     d.pop("prompt")

@@ -30,7 +30,7 @@ from engine.stats import bootstrap_ci, ratio_ci
 from engine.vllm_config import speculative_config
 from specconsole.advisor import Advice, ab_conclusion, advise
 from specconsole.history import History
-from specconsole.runner import ENGINES, Comparison
+from specconsole.runner import ENGINES, Comparison, run_meta as runner_meta
 from specconsole.suites import SuitePrompt
 
 log = logging.getLogger(__name__)
@@ -95,13 +95,13 @@ def run_suite(backend, items: list[SuitePrompt], base: Request, history: History
             break
         if variable == "method" and not backend.capabilities.per_request_drafting and value != served:
             # vLLM's method is the speculative server's: restart it with this value's --speculative-config
-            backend.reconfigure(speculative_config(value, base.k, backend.speculative_config.get("model")))
+            backend.reconfigure(speculative_config(value, base.k, backend.describe().get("draft_model")))
             served = value
         req = request_for(base, item, variable, value, suite_temperature and variable != "temperature")
-        run_meta = meta | {"category": item.category, "suite_id": suite.suite_id, "repeat": repeat,
-                           "sweep_variable": None if variable == "none" else variable, "sweep_value": value or None}
-        if variable == "method":
-            run_meta["method"] = value  # the advisor weighs n-gram and draft-model drafting differently
+        # what actually ran (runner.run_meta): after a reconfigure, the server's new method
+        run_meta = meta | runner_meta(backend, req) | {
+            "category": item.category, "suite_id": suite.suite_id, "repeat": repeat,
+            "sweep_variable": None if variable == "none" else variable, "sweep_value": value or None}
         comp = Comparison(backend, req, mode, history, run_meta, first=ENGINES[(item_index + repeat) % 2])
         comp.start()
         while not comp.poll(0.1):

@@ -4,6 +4,7 @@ import sqlite3
 import threading
 import time
 
+import gradio as gr
 import pandas as pd
 import pytest
 
@@ -246,3 +247,61 @@ def test_ui_lock_is_taken_in_turn_so_an_engine_cannot_starve_the_page():
         t.join()
     assert not lock.locked()
     assert max(waits) <= 1, f"passes the page waited for: {waits}"
+
+
+def test_run_meta_is_what_actually_ran(backend):
+    """The method saved with a run: the request's where the backend applies it, else the server's."""
+    from specconsole.runner import run_meta
+    from tests.test_workbench import ServerLike
+
+    assert run_meta(backend, Request(prompt="x", method="ngram")) | {"target_model": ""} == {
+        "backend": "local", "target_model": "", "draft_model": None, "method": "ngram"}
+    assert run_meta(backend, Request(prompt="x", method="draft"))["draft_model"] == "tiny-draft"
+    served = run_meta(ServerLike(backend), Request(prompt="x", method="draft"))
+    assert served["method"] == "eagle" and served["draft_model"] == "/m/eagle"
+
+
+def test_one_set_of_request_defaults():
+    """The page's controls, `launch.py demo` and `launch.py suite` build requests alike, from the same defaults."""
+    import argparse
+
+    import launch
+    from engine import request as r
+
+    demo = argparse.ArgumentParser()
+    launch.add_request_args(demo)
+    assert launch.build_request(demo.parse_args([]), "p", "draft") == r.build_request("p")
+    suite = argparse.ArgumentParser()
+    launch.add_request_args(suite, suite=True)
+    assert launch.build_request(suite.parse_args([]), "", "draft") == r.build_request(
+        "", max_new_tokens=r.SUITE_MAX_NEW_TOKENS)
+    req = r.build_request("p", max_new_tokens=12.0, seed="", k=20.0, method="ngram", draft_confidence=0.5)
+    assert (req.max_new_tokens, req.sampling.seed, req.k, req.k_max, req.draft_confidence) == (12, None, 20, 20, 0.0)
+
+
+def test_page_greys_out_what_the_backend_does_not_apply(backend):
+    from specconsole.host import ModelHost
+    from specconsole.tab_run import DRAFTING_CONTROLS, backend_view
+    from tests.test_workbench import ServerLike
+
+    host = ModelHost("x", lambda p: None)
+    assert all(u == gr.skip() for u in backend_view(host))  # still loading: nothing changes yet
+    host.backend = ServerLike(backend)
+    *controls, section = backend_view(host)
+    assert len(controls) == len(DRAFTING_CONTROLS)
+    assert all(u["interactive"] is False and "set by the vLLM server (eagle)" in u["info"] for u in controls)
+    assert section["visible"] is False  # attached servers cannot be reconfigured from the page
+    host.backend = backend
+    *controls, section = backend_view(host)
+    assert all(u["interactive"] is True for u in controls) and section["visible"] is False
+
+
+def test_the_page_builds_with_its_elements(tmp_path):
+    from specconsole.app import build
+    from specconsole.host import ModelHost
+
+    app = build(ModelHost("not loaded", lambda p: None), History(tmp_path / "h.db"))
+    ids = {getattr(b, "elem_id", None) for b in app.blocks.values()}
+    assert {"model-status", "prompt", "run", "stop", "temperature", "max-new", "baseline-panel", "speculative-panel",
+            "figures", "chart-steps", "history-table", "export-all", "open-run", "run-suite", "suite-status",
+            "export-suite", "suite-files", "one-at-a-time"} <= ids

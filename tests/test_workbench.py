@@ -291,3 +291,78 @@ def test_charts_draw_the_intervals():
     bars = ab_chart(ab, "A", "B").data[0]
     assert list(bars.y) == pytest.approx(list(ab["ratio"]))
     assert list(bars.error_y.array) == pytest.approx(list(ab["ratio_high"] - ab["ratio"]))
+
+
+class ServerLike:
+    """The local backend dressed as a vLLM one: its drafting is the server's (here "eagle"), not the request's."""
+
+    name = "vllm"
+
+    def __init__(self, inner):
+        from engine.backend import Capabilities
+
+        self.inner = inner
+        self.capabilities = Capabilities(knows_rejected=True, per_request_drafting=False, can_reconfigure=False,
+                                         concurrent_requests=False)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def describe(self):
+        return {"backend": "vllm", "target_model": "tiny", "draft_model": "/m/eagle", "method": "eagle"}
+
+    def ignored_settings(self, req):
+        from engine.backend import DRAFTING_SETTINGS
+
+        return DRAFTING_SETTINGS
+
+
+def test_suite_cli_saves_the_method_the_server_ran(backend, tmp_path, monkeypatch):
+    """`launch.py suite --backend vllm` saved every run with method "draft" whatever the server ran."""
+    import launch
+    from specconsole.host import ModelHost
+
+    monkeypatch.setattr(launch, "vllm_host", lambda args: ModelHost("fake vLLM", lambda p: ServerLike(backend)))
+    db = tmp_path / "h.db"
+    assert launch.main(["suite", "--backend", "vllm", "--category", "code", "--prompts", "1", "--max-new-tokens", "4",
+                        "--db", str(db), "--out", str(tmp_path / "runs.csv")]) == 0
+    rows = History(db).runs()
+    assert len(rows) == 1 and rows[0]["method"] == "eagle" and rows[0]["draft_model"] == "/m/eagle"
+    assert pd.read_csv(tmp_path / "runs.csv").loc[0, "method"] == "eagle"
+
+
+def test_suite_job_runs_on_its_thread_and_exports(backend, tmp_path):
+    from engine.request import build_request
+    from specconsole.suite_job import SuiteJob, export_suite
+
+    history = History(tmp_path / "h.db")
+    base = build_request("", max_new_tokens=6, k=2, method="draft")  # no placeholder prompt: each item brings one
+    job = SuiteJob(backend, history, ITEMS[:2], base)
+    job.check()
+    assert job.start().wait(120) and job.error is None and not job.cancelled
+    assert (job.done, job.total) == (2, 2) and job.percent == 100
+    out = export_suite(history, backend, job.suite_id, tmp_path / "out" / "suite.csv", tmp_path / "out" / "r.html")
+    assert [p.name for p in out.paths] == ["suite.csv", "suite_categories.csv", "r.html"]
+    assert len(pd.read_csv(out.paths[0])) == 2 and list(out.aggregates["category"]) == ["code"]
+
+
+def test_suite_job_checks_before_running(backend):
+    from engine.request import build_request
+    from specconsole.suite_job import SuiteJob
+
+    with pytest.raises(ValueError, match="at least one suite"):
+        SuiteJob(backend, None, [], build_request("")).check()
+    with pytest.raises(ValueError, match="K must"):
+        SuiteJob(backend, None, ITEMS, build_request("", k=0)).check()
+    with pytest.raises(ValueError, match="needs the vLLM backend"):
+        SuiteJob(backend, None, ITEMS, build_request(""), variable="concurrency").check()
+
+
+def test_suite_job_stops_after_the_current_run(backend, tmp_path):
+    from engine.request import build_request
+    from specconsole.suite_job import SuiteJob
+
+    history = History(tmp_path / "h.db")
+    job = SuiteJob(backend, history, ITEMS * 3, build_request("", max_new_tokens=8, k=2, method="draft"))
+    job.cancel.set()
+    assert job.start().wait(60) and job.cancelled and not history.runs(suite_id=job.suite_id)

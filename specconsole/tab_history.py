@@ -1,0 +1,144 @@
+"""The History tab: saved runs a page at a time, one run rebuilt into panels and charts, delete, CSV export."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from html import escape
+from pathlib import Path
+
+import gradio as gr
+import pandas as pd
+
+from specconsole.export import export_csv
+from specconsole.history import History, HistoryError
+from specconsole.render import figures_html, tokens_html
+from specconsole.tab_run import figures_for, rolling_acceptance
+from specconsole.suites import categories
+
+HISTORY_COLUMNS = ["id", "created", "status", "category", "mode", "method", "speedup", "acceptance", "identical",
+                   "sampling check", "machine", "prompt"]
+HISTORY_PAGE = 100  # runs per page of the History tab: a long history is read a page at a time
+
+
+def _ids(selected: str | None) -> list[str]:
+    return [i.strip() for i in (selected or "").split(",") if i.strip()]
+
+
+def view(results: dict, comparison: dict, mode: str, show_rejected: bool):
+    """HTML of both panels and the figures, from two RunResults rebuilt from the history."""
+    b, s = results.get("baseline"), results.get("speculative")
+    panels = []
+    for r, engine in ((b, "baseline"), (s, "speculative")):
+        if r is None:
+            panels.append(tokens_html([], status="no data"))
+            continue
+        note = f"{r.finish_reason} · {len(r.output_tokens)} tokens" if r.finish_reason else "running…"
+        panels.append(tokens_html(r.tokens, show_rejected and engine == "speculative", r.error, note))
+    figures = figures_html(b, s, comparison, mode, rolling_acceptance(s) if s else None)
+    return panels[0], panels[1], figures
+
+
+def build(history: History, tab: gr.Tab, show_rejected: gr.Checkbox, run_event) -> None:
+    """`tab` is this tab (it refreshes when selected); `run_event` the Run button's (it refreshes after a run)."""
+
+    def history_table(category, page=1):
+        """One page of the history: the table, the page number (kept in range) and the line that says where it is."""
+        rows, total, page = history.page(category if category and category != "all" else None, int(page or 1),
+                                         HISTORY_PAGE)
+        pages = max(1, -(-total // HISTORY_PAGE))
+        where = f"page {page} of {pages} · {total:,} run{'s' if total != 1 else ''}"
+        return pd.DataFrame(
+            [[r["id"], (r["created_at"] or "")[:19].replace("T", " "), r["status"], r["category"], r["mode"],
+              r["method"], None if r["speedup"] is None else round(r["speedup"], 2),
+              None if r["acceptance_rate"] is None else round(r["acceptance_rate"], 2),
+              {1: "yes", 0: "no"}.get(r["identical"], ""), r.get("sampling_check") or "",
+              {1: "noisy", 0: "quiet"}.get(r["noisy"], ""),
+              r["prompt"] or ""] for r in rows],
+            columns=HISTORY_COLUMNS,
+        ), page, where
+
+    def select_row(table, selected, evt: gr.SelectData):
+        run_id = str(table.iloc[evt.index[0]]["id"])
+        ids = _ids(selected)
+        ids = [i for i in ids if i != run_id] if run_id in ids else ids + [run_id]
+        return ",".join(ids), run_id
+
+    def open_run(run_id, show_rejected):
+        row = history.run((run_id or "").strip())
+        if row is None:
+            empty = tokens_html([], error=f"no run {run_id!r} in the history")
+            return empty, empty, "", None, None, None, ""
+        results = history.results(row["id"])
+        comparison = json.loads(row["comparison"] or "{}")
+        html = view(results, comparison, row["mode"] or "", show_rejected)
+        info = (f"**{escape(row['status'])}** · {escape(row['created_at'] or '')} · {escape(row['category'] or '')} · "
+                f"method {escape(row['method'] or '')} · mode {escape(row['mode'] or '')}"
+                + (f" · error: {escape(row['error'])}" if row["error"] else "")
+                + f"\n\n> {escape((row['prompt'] or '')[:300])}")
+        return (*html, *figures_for(results), info)
+
+    def delete_runs(selected, category, page):
+        ids = _ids(selected)
+        if ids:
+            try:
+                history.delete(ids)
+            except HistoryError as e:
+                gr.Warning(f"Nothing was deleted: {e}")
+                return selected, *history_table(category, page)
+        return "", *history_table(category, page)
+
+    def export(selected, everything: bool):
+        ids = None if everything else _ids(selected)
+        if not everything and not ids:
+            gr.Warning("Select runs in the table first (click a row), or export the whole history.")
+            return None
+        out = Path(tempfile.mkdtemp(prefix="specconsole-export-"))
+        return [str(p) for p in export_csv(history, out, ids)]
+
+    # --- layout ----------------------------------------------------------------------------------------------------
+
+    with gr.Row():
+        filter_cat = gr.Dropdown(["all"] + categories(), value="all", label="Category", elem_id="history-category")
+        refresh = gr.Button("Refresh", elem_id="refresh-history")
+    first_page, _, first_where = history_table(None)
+    table = gr.Dataframe(first_page, interactive=False, elem_id="history-table", wrap=True)
+    with gr.Row():
+        newer = gr.Button("◀ Newer", elem_id="history-newer", size="sm")
+        page_no = gr.Number(1, precision=0, minimum=1, label="Page", elem_id="history-page", scale=0)
+        older = gr.Button("Older ▶", elem_id="history-older", size="sm")
+        page_info = gr.Markdown(first_where, elem_id="history-page-info")
+    with gr.Row():
+        selected = gr.Textbox(label="Selected run ids (click rows)", elem_id="selected-runs")
+        opened_id = gr.Textbox(label="Open run id", elem_id="open-run-id")
+    with gr.Row():
+        open_btn = gr.Button("Open", elem_id="open-run")
+        delete_btn = gr.Button("Delete selected", variant="stop")
+        export_sel = gr.Button("Export selected (CSV)", elem_id="export-selected")
+        export_all = gr.Button("Export all (CSV)", elem_id="export-all")
+        # more exports of the selected runs (e.g. a replay of a run) go in this row, writing into `files`
+    files = gr.File(label="CSV files", file_count="multiple", elem_id="export-files")
+    info = gr.Markdown(elem_id="history-run-info")
+    with gr.Row(equal_height=True):
+        old_base = gr.HTML(elem_id="history-baseline")
+        old_spec = gr.HTML(elem_id="history-speculative")
+    old_figures = gr.HTML(elem_id="history-figures")
+    with gr.Row():
+        old_steps, old_pos, old_tokens = gr.Plot(), gr.Plot(), gr.Plot()
+
+    # --- events ----------------------------------------------------------------------------------------------------
+
+    history_page = [table, page_no, page_info]
+    run_event.then(history_table, [filter_cat, page_no], history_page)
+    refresh.click(history_table, [filter_cat, page_no], history_page)
+    filter_cat.change(history_table, filter_cat, history_page)  # a new filter starts at its first page
+    tab.select(history_table, [filter_cat, page_no], history_page)
+    newer.click(lambda c, p: history_table(c, (p or 1) - 1), [filter_cat, page_no], history_page)
+    older.click(lambda c, p: history_table(c, (p or 1) + 1), [filter_cat, page_no], history_page)
+    page_no.submit(history_table, [filter_cat, page_no], history_page)
+    table.select(select_row, [table, selected], [selected, opened_id])
+    open_btn.click(open_run, [opened_id, show_rejected],
+                   [old_base, old_spec, old_figures, old_steps, old_pos, old_tokens, info])
+    delete_btn.click(delete_runs, [selected, filter_cat, page_no], [selected, *history_page])
+    export_sel.click(lambda s: export(s, False), selected, files)
+    export_all.click(lambda s: export(s, True), selected, files)

@@ -1,0 +1,296 @@
+"""The Run tab: one prompt on both engines, streamed side by side into two live panels, the figures and charts.
+
+Its drafting settings are shared with the Workbench (RunSettings). Settings the backend does not apply per request
+(vLLM: the speculative server's config) are greyed out and say who sets them, once the backend is known."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from html import escape
+from pathlib import Path
+
+import gradio as gr
+
+from engine.models import ModelError
+from engine.request import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DYNAMIC_K, DEFAULT_K, DEFAULT_MAX_NEW_TOKENS,
+                            DEFAULT_SEED, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, MAX_NEW_TOKENS, METHODS, build_request)
+from engine.sampling import MAX_K, SettingsError
+from engine.vllm_backend import METHODS as VLLM_METHODS, speculative_config
+from specconsole import charts
+from specconsole.history import History
+from specconsole.host import ModelHost
+from specconsole.render import PanelFeed, figures_html, legend_html, panel_notice
+from specconsole.runner import ENGINES, MODES, Comparison, run_meta
+from specconsole.suites import categories, load_suite
+
+log = logging.getLogger(__name__)
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+LIVE_PANEL_JS = (ASSETS / "live_panel.js").read_text()
+# The page must not take the CPU it measures: panels receive only their new tokens, five times a second at most;
+# the figures twice a second; plotly re-lays out a whole chart per update, so charts once a second.
+PANEL_EVERY_S = 0.2
+FIGURES_EVERY_S = 0.5
+CHART_EVERY_S = 1.0
+QUEUED = ("Queued behind another run: runs go one at a time, because the timings of concurrent runs would share "
+          "the CPU. This one starts when that one ends (Stop cancels it).")
+ONE_AT_A_TIME = ("Runs go one at a time (also across browser tabs): the timings of concurrent runs would share the "
+                 "CPU, so a second Run waits for the first.")
+METHOD_LABEL = "Drafting method"
+
+
+@dataclass
+class RunSettings:
+    """The Run tab's controls that the Workbench's suites also take."""
+    method: gr.Radio
+    k: gr.Slider
+    dynamic_k: gr.Checkbox
+    confidence: gr.Slider
+    fallback: gr.Checkbox
+    top_p: gr.Slider
+    seed: gr.Number
+    mode: gr.Radio
+    show_rejected: gr.Checkbox
+
+
+@dataclass
+class RunTab:
+    settings: RunSettings
+    run_event: object  # the Run button's event: the History tab refreshes after it
+    backend_outputs: list  # what backend_view() updates once the models are ready
+
+
+def rolling_acceptance(result, window: int = 8) -> float | None:
+    steps = [s for s in result.steps if s.drafted > 0][-window:]
+    drafted = sum(s.drafted for s in steps)
+    return sum(s.accepted for s in steps) / drafted if drafted else None
+
+
+def figures_for(results: dict):
+    b, s = results.get("baseline"), results.get("speculative")
+    return charts.acceptance_per_step(s), charts.per_position(s), charts.tokens_over_time(b, s)
+
+
+def live_panel(elem_id: str) -> gr.HTML:
+    """A token panel that the Run tab grows in place (assets/live_panel.js): its value is the latest message."""
+    return gr.HTML("", html_template='<div class="live-panel"></div>', js_on_load=LIVE_PANEL_JS, elem_id=elem_id)
+
+
+def _panel_note(result) -> str:
+    return f"{result.finish_reason} · {len(result.output_tokens)} tokens" if result.finish_reason else "running…"
+
+
+def _save_note(comp: Comparison) -> str:
+    """Under the figures: why the run is not (completely) in the history, if it is not."""
+    return f'<div class="panel-error save-error">{escape(comp.save_error)}</div>' if comp.save_error else ""
+
+
+# Which control shows which of Request's drafting settings (engine.backend.DRAFTING_SETTINGS), in output order.
+DRAFTING_CONTROLS = ("method", "k", "dynamic_k", "draft_confidence", "fallback")
+
+
+def backend_view(host: ModelHost) -> list:
+    """Updates for the drafting controls and the vLLM section, from the loaded backend's capabilities: a setting the
+    backend does not apply is greyed out and says who sets it, rather than silently ignored."""
+    backend = host.backend
+    if backend is None:
+        return [gr.skip()] * (len(DRAFTING_CONTROLS) + 1)
+    ignored = set(backend.ignored_settings(build_request("-", method=host.method)))
+    server = {"vllm": "vLLM"}.get(backend.name, backend.name)
+    who = f"not applied: set by the {server} server ({backend.describe().get('method')})"
+    updates = [gr.update(interactive=False, info=who) if name in ignored
+               else gr.update(interactive=True) for name in DRAFTING_CONTROLS]
+    return [*updates, gr.update(visible=backend.capabilities.can_reconfigure)]
+
+
+def _stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
+    """The run's updates, throttled (PANEL_EVERY_S, FIGURES_EVERY_S, CHART_EVERY_S), until it ends."""
+    feeds = {e: PanelFeed(panel_run, show_rejected and e == "speculative") for e in ENGINES}
+    last_panel = last_figures = last_chart = 0.0
+    while True:
+        done = comp.poll(timeout=PANEL_EVERY_S)
+        now = time.monotonic()
+        if not done and now - last_panel < PANEL_EVERY_S:
+            continue
+        figures_due = done or now - last_figures >= FIGURES_EVERY_S
+        chart_due = done or now - last_chart >= CHART_EVERY_S
+        with comp.ui_lock:  # in fair mode: never while an engine's pass is being timed
+            results = comp.results
+            panels = [feeds[e].message(results[e].tokens, _panel_note(results[e]), results[e].error,
+                                       final=done) for e in ENGINES]
+            if figures_due:
+                s = results["speculative"]
+                figures = figures_html(results["baseline"], s, comp.comparison(results), mode,
+                                       rolling_acceptance(s)) + _save_note(comp)
+            plots = figures_for(results) if chart_due else (gr.skip(),) * 3
+        last_panel = now
+        last_figures, last_chart = (now if figures_due else last_figures), (now if chart_due else last_chart)
+        yield (*[gr.skip() if p is None else p for p in panels], figures if figures_due else gr.skip(),
+               *plots)
+        if done:
+            break
+
+
+def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
+    active: dict[str, Comparison] = {}  # session -> its running comparison, for Stop
+    queued: dict[str, threading.Event] = {}  # session -> set by Stop while its run waits for another one
+
+    def run(prompt, category, method, k, dynamic_k, confidence, fallback, temperature, top_p, max_new, seed, mode,
+            show_rejected, request: gr.Request):
+        session = request.session_hash if request else "local"
+        panel_run = uuid.uuid4().hex[:8]  # tells the page's panels that a new run starts
+        if not host.ready:
+            msg = host.status() if host.error else f"{host.status()}. Press Run again when the models are ready."
+            yield panel_notice(panel_run, msg), panel_notice(panel_run, msg), "", gr.skip(), gr.skip(), gr.skip()
+            return
+        try:
+            req = build_request(prompt, max_new_tokens=max_new, temperature=temperature, top_p=top_p, seed=seed,
+                                method=method, k=k, dynamic_k=dynamic_k, draft_confidence=confidence,
+                                fallback=fallback)
+            host.backend.validate(req)  # before anything runs or is saved
+        except (SettingsError, ModelError, ValueError) as e:
+            msg = str(e)
+            yield panel_notice(panel_run, msg), panel_notice(panel_run, msg), "", gr.skip(), gr.skip(), gr.skip()
+            return
+        # One comparison at a time (the Run button allows several handlers so that a waiting one can say so): two
+        # at once would share the CPU, and the timings of both would be wrong.
+        if not host.lock.acquire(blocking=False):
+            stopped = queued[session] = threading.Event()
+            note = PanelFeed(panel_run).message([], QUEUED)
+            yield note, note, f'<div class="status-line">{escape(QUEUED)}</div>', gr.skip(), gr.skip(), gr.skip()
+            try:
+                while not host.lock.acquire(timeout=1.0):
+                    if stopped.is_set():
+                        note = PanelFeed(panel_run).message([], "Stopped before it started.")
+                        yield note, note, "", gr.skip(), gr.skip(), gr.skip()
+                        return
+                    yield (gr.skip(),) * 6  # gives gradio the chance to drop the run of a page that was closed
+            finally:
+                queued.pop(session, None)
+        try:
+            comp = Comparison(host.backend, req, mode, history, run_meta(host.backend, req) | {"category": category})
+            active[session] = comp
+            comp.start()
+            try:
+                yield from _stream(comp, panel_run, mode, show_rejected)
+            finally:
+                comp.cancel.set()  # a closed tab or an error must not leave the engines running
+                active.pop(session, None)
+        finally:
+            host.lock.release()
+        if comp.save_error:
+            gr.Warning(comp.save_error)
+
+    def reconfigure_vllm(method, k, draft):
+        if not host.ready or not host.backend.capabilities.can_reconfigure:
+            return "Only a managed vLLM backend (`--backend vllm`) can be reconfigured from here."
+        try:
+            config = speculative_config(method, int(k), draft or None)
+            with host.lock:
+                host.backend.reconfigure(config)
+        except (RuntimeError, ValueError) as e:  # VLLMError, SettingsError: the old server runs again
+            return f"Could not apply: {escape(str(e))}"
+        return f"Speculative server running with `{escape(json.dumps(config))}`."
+
+    def stop(request: gr.Request):
+        session = request.session_hash if request else "local"
+        comp = active.get(session)
+        if comp:
+            comp.cancel.set()
+        if session in queued:
+            queued[session].set()
+
+    def pick_category(category):
+        prompts = load_suite(category)
+        choices = [(f"{i + 1}. {p.prompt[:90]}", i) for i, p in enumerate(prompts)]
+        first = prompts[0]
+        return gr.update(choices=choices, value=0), first.prompt, first.temperature
+
+    def pick_example(category, index):
+        if index is None:
+            return gr.skip(), gr.skip()
+        item = load_suite(category)[int(index)]
+        return item.prompt, item.temperature
+
+    # --- layout ----------------------------------------------------------------------------------------------------
+
+    cats = categories()
+    with gr.Row():
+        with gr.Column(scale=3):
+            category = gr.Dropdown(cats, value=cats[0] if cats else None, label="Category")
+            example = gr.Dropdown([], label="Example prompt", allow_custom_value=False)
+            prompt = gr.Textbox(label="Prompt", lines=6, elem_id="prompt")
+            with gr.Row():
+                run_btn = gr.Button("Run", variant="primary", elem_id="run")
+                stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
+            gr.Markdown(ONE_AT_A_TIME, elem_id="one-at-a-time")
+        with gr.Column(scale=2):
+            gr.Markdown(f"Backend: **{escape(host.label)}**")
+            # shown once the backend says it can restart its speculative side (backend_view)
+            with gr.Accordion("vLLM speculative server (managed vLLM backend)", open=False,
+                              visible=False) as vllm_section:
+                vllm_method = gr.Dropdown(list(VLLM_METHODS), value="ngram", label="Method")
+                vllm_k = gr.Slider(1, 16, value=DEFAULT_K, step=1, label="num_speculative_tokens (K)")
+                vllm_draft = gr.Textbox(label="Draft / EAGLE / Medusa model path")
+                vllm_apply = gr.Button("Apply (restarts the speculative server)")
+                vllm_status = gr.Markdown()
+            method = gr.Radio(list(METHODS), value=host.method, label=METHOD_LABEL)
+            with gr.Row():
+                k = gr.Slider(1, MAX_K, value=DEFAULT_K, step=1, label="K (draft tokens per step)")
+                dynamic_k = gr.Checkbox(
+                    value=DEFAULT_DYNAMIC_K, label="Dynamic K",
+                    info="draft model: keeps drafting while one more token is expected to pay "
+                         "(up to 16, or K if higher); n-gram: K from the measured costs")
+            with gr.Row():
+                confidence = gr.Slider(0.0, 0.95, value=DEFAULT_DRAFT_CONFIDENCE, step=0.05,
+                                       label="Draft stops below confidence")
+                fallback = gr.Checkbox(value=False, label="Fall back to plain decoding when it does not pay")
+            with gr.Row():
+                temperature = gr.Slider(0.0, 1.5, value=DEFAULT_TEMPERATURE, step=0.05,
+                                        label="Temperature (0 = greedy)", elem_id="temperature")
+                top_p = gr.Slider(0.05, 1.0, value=DEFAULT_TOP_P, step=0.05, label="Top-p")
+            with gr.Row():
+                max_new = gr.Slider(1, MAX_NEW_TOKENS, value=DEFAULT_MAX_NEW_TOKENS, step=1, label="Max new tokens",
+                                    elem_id="max-new")
+                seed = gr.Number(value=DEFAULT_SEED, precision=0, label="Seed")
+            with gr.Row():
+                mode = gr.Radio(list(MODES), value="fair", label="Mode",
+                                info="fair: engines take turns, each timed alone; race: both at once")
+                show_rejected = gr.Checkbox(value=True, label="Show rejected drafts")
+    gr.HTML(legend_html())
+    with gr.Row(equal_height=True):
+        with gr.Column():
+            gr.Markdown("**Baseline** — target only, one token per pass")
+            base_panel = live_panel("baseline-panel")
+        with gr.Column():
+            gr.Markdown("**Speculative** — draft proposes, target verifies")
+            spec_panel = live_panel("speculative-panel")
+    figures = gr.HTML("", elem_id="figures")
+    empty = figures_for({})  # also loads plotly's templates now rather than during the first run
+    with gr.Row():
+        chart_steps = gr.Plot(empty[0], label="Acceptance per step", elem_id="chart-steps")
+        chart_pos = gr.Plot(empty[1], label="Per-position acceptance", elem_id="chart-positions")
+        chart_tokens = gr.Plot(empty[2], label="Tokens over time", elem_id="chart-tokens")
+
+    # --- events ----------------------------------------------------------------------------------------------------
+
+    inputs = [prompt, category, method, k, dynamic_k, confidence, fallback, temperature, top_p, max_new, seed, mode,
+              show_rejected]
+    outputs = [base_panel, spec_panel, figures, chart_steps, chart_pos, chart_tokens]
+    # no progress overlay: its animation would cost the browser CPU during the very run it shows
+    # up to 4 handlers: one runs, the others wait in run() for host.lock and say that they are queued
+    run_event = run_btn.click(run, inputs, outputs, concurrency_limit=4, concurrency_id="runs", show_progress="hidden")
+    stop_btn.click(stop, None, None, concurrency_limit=None)
+    category.change(pick_category, category, [example, prompt, temperature])
+    example.input(pick_example, [category, example], [prompt, temperature])
+    app.load(pick_category, category, [example, prompt, temperature])
+    vllm_apply.click(reconfigure_vllm, [vllm_method, vllm_k, vllm_draft], vllm_status, concurrency_limit=1,
+                     concurrency_id="engines")
+
+    settings = RunSettings(method, k, dynamic_k, confidence, fallback, top_p, seed, mode, show_rejected)
+    return RunTab(settings, run_event, [method, k, dynamic_k, confidence, fallback, vllm_section])
