@@ -15,12 +15,14 @@ from specconsole.host import ModelHost
 
 log = logging.getLogger(__name__)
 
-CSS = (Path(__file__).resolve().parent.parent / "assets" / "console.css").read_text()
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+CSS = (ASSETS / "console.css").read_text()
+PRESENTER_JS = (ASSETS / "presenter.js").read_text()  # ?view=present, the Presenter view button, Enter / Escape
 
 
 def build(host: ModelHost, history: History) -> gr.Blocks:
     with gr.Blocks(title="SpecConsole") as app:
-        gr.Markdown("## SpecConsole — speculative decoding, side by side")
+        gr.Markdown("## SpecConsole — speculative decoding, side by side", elem_classes="present-hide")
         status = gr.HTML(f'<div class="status-line">{escape(host.status())}</div>', elem_id="model-status")
         timer = gr.Timer(1.0)
         with gr.Tab("Run"):
@@ -44,7 +46,7 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
 def launch(host: ModelHost, history: History, server_name: str, port: int, auth=None, prevent_thread_lock=False):
     app = build(host, history)
     app.queue(default_concurrency_limit=4)
-    return app.launch(server_name=server_name, server_port=port, auth=auth, css=CSS, show_error=True,
+    return app.launch(server_name=server_name, server_port=port, auth=auth, css=CSS, js=PRESENTER_JS, show_error=True,
                       prevent_thread_lock=prevent_thread_lock, footer_links=[])
 
 

@@ -11,6 +11,7 @@ import gradio as gr
 import pandas as pd
 
 from specconsole.export import export_csv
+from specconsole.replay import UnknownRun, write_replay
 from specconsole.history import History, HistoryError
 from specconsole.render import figures_html, tokens_html
 from specconsole.tab_run import figures_for, rolling_acceptance
@@ -96,6 +97,21 @@ def build(history: History, tab: gr.Tab, show_rejected: gr.Checkbox, run_event) 
         out = Path(tempfile.mkdtemp(prefix="specconsole-export-"))
         return [str(p) for p in export_csv(history, out, ids)]
 
+    def replays(selected):
+        """One self-contained HTML file per selected run, replaying it offline at its recorded timing."""
+        ids = _ids(selected)
+        if not ids:
+            gr.Warning("Select runs in the table first (click a row): each becomes one replay file.")
+            return None
+        out = Path(tempfile.mkdtemp(prefix="specconsole-replay-"))
+        paths = []
+        for run_id in ids:
+            try:
+                paths.append(str(write_replay(history, run_id, out / f"replay-{run_id}.html")))
+            except (UnknownRun, HistoryError) as e:
+                gr.Warning(f"No replay of {run_id}: {e}")
+        return paths or None
+
     # --- layout ----------------------------------------------------------------------------------------------------
 
     with gr.Row():
@@ -116,8 +132,8 @@ def build(history: History, tab: gr.Tab, show_rejected: gr.Checkbox, run_event) 
         delete_btn = gr.Button("Delete selected", variant="stop")
         export_sel = gr.Button("Export selected (CSV)", elem_id="export-selected")
         export_all = gr.Button("Export all (CSV)", elem_id="export-all")
-        # more exports of the selected runs (e.g. a replay of a run) go in this row, writing into `files`
-    files = gr.File(label="CSV files", file_count="multiple", elem_id="export-files")
+        export_replay = gr.Button("Export replay (HTML)", elem_id="export-replay")
+    files = gr.File(label="Exported files", file_count="multiple", elem_id="export-files")
     info = gr.Markdown(elem_id="history-run-info")
     with gr.Row(equal_height=True):
         old_base = gr.HTML(elem_id="history-baseline")
@@ -142,3 +158,4 @@ def build(history: History, tab: gr.Tab, show_rejected: gr.Checkbox, run_event) 
     delete_btn.click(delete_runs, [selected, filter_cat, page_no], [selected, *history_page])
     export_sel.click(lambda s: export(s, False), selected, files)
     export_all.click(lambda s: export(s, True), selected, files)
+    export_replay.click(replays, selected, files)

@@ -20,7 +20,7 @@ from engine.models import ModelError
 from engine.request import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DYNAMIC_K, DEFAULT_K, DEFAULT_MAX_NEW_TOKENS,
                             DEFAULT_SEED, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, MAX_NEW_TOKENS, METHODS, build_request)
 from engine.sampling import MAX_K, SettingsError
-from engine.vllm_backend import METHODS as VLLM_METHODS, speculative_config
+from engine.vllm_config import METHODS as VLLM_METHODS, speculative_config
 from specconsole import charts
 from specconsole.history import History
 from specconsole.host import ModelHost
@@ -220,7 +220,7 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
     # --- layout ----------------------------------------------------------------------------------------------------
 
     cats = categories()
-    with gr.Row():
+    with gr.Row(elem_classes="present-hide"):  # the presenter view keeps the panels, legend and headline figures
         with gr.Column(scale=3):
             category = gr.Dropdown(cats, value=cats[0] if cats else None, label="Category")
             example = gr.Dropdown([], label="Example prompt", allow_custom_value=False)
@@ -262,7 +262,11 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
                 mode = gr.Radio(list(MODES), value="fair", label="Mode",
                                 info="fair: engines take turns, each timed alone; race: both at once")
                 show_rejected = gr.Checkbox(value=True, label="Show rejected drafts")
-    gr.HTML(legend_html())
+    with gr.Row():
+        gr.HTML(legend_html())
+        # assets/presenter.js: switches the page's layout only, so a run goes on across the switch
+        gr.Button("Presenter view", elem_id="present-toggle", size="sm", scale=0).click(
+            None, js="() => window.specconsolePresent()")
     with gr.Row(equal_height=True):
         with gr.Column():
             gr.Markdown("**Baseline** — target only, one token per pass")
@@ -272,7 +276,7 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
             spec_panel = live_panel("speculative-panel")
     figures = gr.HTML("", elem_id="figures")
     empty = figures_for({})  # also loads plotly's templates now rather than during the first run
-    with gr.Row():
+    with gr.Row(elem_classes="present-hide"):
         chart_steps = gr.Plot(empty[0], label="Acceptance per step", elem_id="chart-steps")
         chart_pos = gr.Plot(empty[1], label="Per-position acceptance", elem_id="chart-positions")
         chart_tokens = gr.Plot(empty[2], label="Tokens over time", elem_id="chart-tokens")

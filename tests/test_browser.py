@@ -182,6 +182,78 @@ def test_live_panels_append_and_charts_throttle(console, page):
         assert len(times) <= seconds + 2, f"{chart}: {len(times)} redraws in {seconds:.1f} s"
 
 
+def test_presenter_view_keys_and_the_same_run_across_switches(console, page):
+    """A projector at 1280x720: ?view=present keeps the two panels (large, side by side), the legend and three
+    headline figures; Enter runs, Escape stops; leaving and re-entering the view does not disturb the run."""
+    url, _ = console
+    page.set_viewport_size({"width": 1280, "height": 720})
+    try:
+        page.goto(url + "?view=present")
+        page.wait_for_selector("#model-status:has-text('Ready')", timeout=120_000)
+        assert page.evaluate("document.body.classList.contains('present')")
+        assert not page.is_visible("#prompt") and not page.is_visible("#chart-tokens")
+        assert not page.get_by_role("tab", name="History").is_visible()
+        boxes = [page.locator(f"#{e}-panel .tokens").bounding_box() for e in ("baseline", "speculative")]
+        assert boxes[0]["x"] + boxes[0]["width"] <= boxes[1]["x"] and min(b["width"] for b in boxes) >= 560
+        assert min(b["height"] for b in boxes) >= 300  # most of a 720-pixel screen, and the rest fits around them
+        assert page.evaluate("parseFloat(getComputedStyle(document.querySelector('#baseline-panel .tokens')).fontSize)") >= 22
+
+        page.click("#present-toggle")  # out, to type the prompt; the URL follows the view
+        assert "view=present" not in page.url and page.is_visible("#prompt")
+        page.fill("#prompt textarea", "Write a long story about a lighthouse keeper and the sea, in many short paragraphs.")
+        for selector, value in (("#temperature", "0"), ("#max-new", "1500")):
+            box = page.locator(f"{selector} input[type=number]")
+            box.fill(value)
+            box.press("Enter")
+        page.click("#present-toggle")
+        assert "view=present" in page.url
+        page.locator("body").press("Enter")  # Run
+        page.wait_for_function("() => document.querySelectorAll('#speculative-panel .tok').length >= 10",
+                               timeout=120_000)
+        page.evaluate("window.firstToken = document.querySelector('#baseline-panel .tok')")
+        shown = page.locator("#baseline-panel .tok").count()
+        page.click("#present-toggle")  # the normal view: the same run goes on in the same panels
+        page.wait_for_function(f"() => document.querySelectorAll('#baseline-panel .tok').length > {shown}",
+                               timeout=120_000)
+        assert page.evaluate("window.firstToken === document.querySelector('#baseline-panel .tok')")
+        page.click("#present-toggle")
+        page.wait_for_selector("#figures .fig.headline", timeout=60_000)
+        assert page.locator("#figures .fig.headline").count() == 3
+        assert page.locator("#figures .fig:not(.headline)").first.is_hidden()
+        page.evaluate("window.scrollTo(0, 0)")
+        for selector in (".legend", "#present-toggle", "#figures .fig.headline"):  # all of it on one screen
+            box = page.locator(selector).first.bounding_box()
+            assert box["y"] >= 0 and box["y"] + box["height"] <= 720, (selector, box)
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "presenter.png"))
+        page.locator("body").press("Escape")  # Stop
+        for panel in ("#baseline-panel", "#speculative-panel"):
+            page.wait_for_selector(f"{panel} .panel-status:has-text('cancelled')", timeout=120_000)
+    finally:
+        page.set_viewport_size({"width": 1500, "height": 1700})
+
+
+def test_history_exports_a_replay_of_the_selected_run(console, page, tmp_path):
+    url, _ = console
+    open_console(page, url)
+    page.get_by_role("tab", name="History").click()
+    page.click("#refresh-history")
+    first = page.locator("#history-table [data-testid='cell-0-0']")
+    first.wait_for(timeout=30_000)
+    run_id = first.inner_text().strip()
+    first.click()
+    page.wait_for_function(f"() => document.querySelector('#selected-runs textarea').value.includes('{run_id}')")
+    page.click("#export-replay")
+    link = page.locator(f"#export-files a[download='replay-{run_id}.html']")
+    link.wait_for(timeout=30_000)
+    with page.expect_download() as download:
+        link.click()
+    path = tmp_path / "replay.html"
+    download.value.save_as(path)
+    html = path.read_text(encoding="utf-8")
+    assert run_id in html and 'type="application/json"' in html and "<script src" not in html
+
+
 def test_page_is_up_before_models_finish(tmp_path):
     """The page answers while the models are still loading (here: a preset whose weights are not cached)."""
     port = free_ports(1)[0]
