@@ -122,15 +122,6 @@ class Hybrid(HybridProposer):
         super().__init__(DraftModelProposer(draft, vocab_size, params, generator), NgramProposer(1, 2))
 
 
-class HybridDropsQ(Hybrid):
-    """A planted hybrid bug: the draft model's drafts verified as if they were lookups (q = one-hot)."""
-
-    def propose(self, ids, k, stop=None):
-        proposal = super().propose(ids, k, stop)
-        proposal.probs = None
-        return proposal
-
-
 def forward_logits(model, ids):
     return forward(model, ids, new_cache(model), keep=1)[-1]
 
@@ -209,5 +200,11 @@ def test_engine_keeps_target_distribution_with_hybrid_drafting(tiny16):
     assert min(engine_pvalues(tiny16, Hybrid, length=4)) > ALPHA
 
 
-def test_engine_test_catches_a_hybrid_that_drops_q(tiny16):
-    assert min(engine_pvalues(tiny16, HybridDropsQ, length=4)) < ALPHA
+def test_engine_test_catches_swapped_p_and_q_with_hybrid_drafting(tiny16, monkeypatch):
+    def swapped_any(draft_ids, draft_probs, target_probs, generator):  # the n-gram's q = one-hot, swapped too
+        if draft_probs is None:
+            draft_probs = torch.nn.functional.one_hot(draft_ids, target_probs.shape[-1]).to(target_probs.dtype)
+        return swapped(draft_ids, draft_probs, target_probs, generator)
+
+    monkeypatch.setattr(engine.local, "rejection_sample", swapped_any)
+    assert min(engine_pvalues(tiny16, Hybrid, length=4)) < ALPHA
