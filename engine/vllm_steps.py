@@ -97,3 +97,42 @@ def replay_ngram(prompt: list[int], output: list[int], accepted: list[int], draf
         j += 1
         pos += a + 1
     return steps if j == len(accepted) else None
+
+
+class ChunkGuess:
+    """Provisional kinds while a speculative server streams, before its per-step counts arrive at the end.
+
+    vLLM usually sends one chunk per engine step, so a chunk of n tokens suggests one target pass: n-1 accepted
+    drafts and one token of the target's (bonus if all K drafts were kept, i.e. n-1 == K; else recovered). The first
+    token comes from the prefill. A chunk longer than K+1 must hold several steps (the server merges steps when the
+    client reads slowly); it is split into steps of K+1. Chunk boundaries can mislead (a step without drafts looks
+    like a recovered token; merged or split chunks shift the guess), so these kinds are shown as provisional and
+    checked against the exact ones at the end (`provisional_accuracy`)."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.step = 0  # the guessed step of the last token
+        self.count = 0  # tokens guessed so far
+
+    def kinds(self, n: int) -> list[tuple[TokenKind, int, int]]:
+        """(kind, step, position in the step) for the next chunk's n tokens."""
+        out = []
+        if n and self.count == 0:
+            out.append((TokenKind.BASELINE, 0, 0))  # the prefill's token
+            n -= 1
+        while n > 0:
+            size = min(n, self.k + 1)
+            self.step += 1
+            out += [(TokenKind.ACCEPTED, self.step, i) for i in range(size - 1)]
+            out.append((TokenKind.BONUS if size - 1 == self.k else TokenKind.RECOVERED, self.step, size - 1))
+            n -= size
+        self.count += len(out)
+        return out
+
+
+def provisional_accuracy(guessed: list[TokenKind | None], final: list[TokenKind]) -> float | None:
+    """Fraction of output tokens whose provisional kind was the final one; None when a token had no guess (it
+    streamed as pending) or there are no tokens."""
+    if not final or len(guessed) != len(final) or None in guessed:
+        return None
+    return sum(g == f for g, f in zip(guessed, final)) / len(final)

@@ -8,6 +8,7 @@ hang and never raise out of the generator; per-step counts that contradict the s
 
 from __future__ import annotations
 
+import csv
 import json
 import threading
 import time
@@ -254,9 +255,14 @@ def test_counts_that_do_not_add_up_leave_the_tokens_unplaced(servers, case):
     events, result, _ = run(attach(servers, config))
     assert result.error is None and result.finish_reason == "length"
     assert not any(isinstance(e, Reclassified) for e in events)
-    assert [t.kind for t in result.tokens] == [TokenKind.PENDING] * 6 and result.steps == []
     m = result.metrics
-    assert "tokens unplaced" in m["highlighting"] and "tokens stay pending" in m["highlighting"]
+    assert result.steps == [] and m["provisional_accuracy"] is None and "tokens unplaced" in m["highlighting"]
+    if config is None:  # K not known: nothing to guess with
+        assert [t.kind for t in result.tokens] == [TokenKind.PENDING] * 6
+        assert "tokens stay pending" in m["highlighting"]
+    else:  # the guesses from chunk boundaries stay, marked provisional
+        assert all(t.provisional for t in result.tokens) and TokenKind.PENDING not in {t.kind for t in result.tokens}
+        assert "tokens keep their provisional kinds" in m["highlighting"]
     assert m["target_passes"] is None and m["passes_saved"] is None and m["mean_k"] is None
     assert m["steps"] == len(drafted) and m["drafted"] == sum(drafted)  # the server's own counts are still shown
     assert m["server_delta"]["num_drafts"] == 0.0  # /metrics was read before and after
@@ -267,3 +273,91 @@ def test_a_usage_chunk_without_counts_says_unknown(servers):
     events, result, _ = run(attach(servers))
     assert result.error is None and not any(isinstance(e, Reclassified) for e in events)
     assert result.metrics["target_passes"] is None and "tokens stay pending" in result.metrics["highlighting"]
+
+
+# --- provisional kinds from chunk boundaries (issue 12) ------------------------------------------------------------
+
+
+def chunked_stream(sizes: list[int], spec: dict) -> list[bytes]:
+    """stream(), with the tokens grouped into chunks of these sizes (as a server sends one chunk per step)."""
+    parts = stream(spec=spec)
+    first, tokens, tail = parts[0], [json.loads(p[6:]) for p in parts[1:1 + sum(sizes)]], parts[1 + sum(sizes):]
+    chunks, i = [], 0
+    for size in sizes:
+        group = tokens[i:i + size]
+        choice = group[0]["choices"][0] | {
+            "delta": {"content": "".join(c["choices"][0]["delta"]["content"] for c in group)},
+            "token_ids": [t for c in group for t in c["choices"][0]["token_ids"]],
+            "logprobs": {"content": [p for c in group for p in c["choices"][0]["logprobs"]["content"]]}}
+        chunks.append(sse({"id": "c", "object": "chat.completion.chunk", "choices": [choice]}))
+        i += size
+    return [first] + chunks + tail
+
+
+A, B, R, BL = TokenKind.ACCEPTED, TokenKind.BONUS, TokenKind.RECOVERED, TokenKind.BASELINE
+
+PROVISIONAL_CASES = {
+    # chunk sizes, per-step (accepted, drafted), the guessed kinds, the final kinds, provisional accuracy
+    # one chunk per step: every guess is right
+    "chunks are steps": ([1, 4, 1], ([3, 0], [3, 2]), [BL, A, A, A, B, R], [BL, A, A, A, B, R], 1.0),
+    # the prefill's token and the first step arrive together, and a step's tokens split over two chunks
+    "chunk boundaries mislead": ([3, 2, 1], ([3, 1], [3, 2]), [BL, A, R, A, R, R], [BL, A, A, A, B, A], 3 / 6),
+    # a chunk longer than K+1 holds two steps (a slow reader): split into steps of K+1
+    "merged steps": ([1, 5], ([3, 0], [3, 3]), [BL, A, A, A, B, R], [BL, A, A, A, B, R], 1.0),
+}
+
+
+@pytest.mark.parametrize("case", list(PROVISIONAL_CASES))
+def test_chunk_sizes_give_provisional_kinds_that_the_counts_confirm_or_correct(servers, case):
+    sizes, (accepted, drafted), guessed, final, accuracy = PROVISIONAL_CASES[case]
+    servers[1].body = chunked_stream(sizes, spec_counts(accepted, drafted))
+    events, result, _ = run(attach(servers, speculative_config("ngram", 3)))
+    assert result.error is None and result.metrics["highlighting"] == "exact"
+
+    streamed = [e for e in events if isinstance(e, TokenEvent)]
+    assert [t.kind for t in streamed] == guessed and all(t.provisional for t in streamed)
+    assert [t.kind for t in result.tokens] == final and not any(t.provisional for t in result.tokens)
+    assert result.metrics["provisional_accuracy"] == pytest.approx(accuracy)
+
+    # the console's copy: Reclassified gives the final kinds and clears the mark; the panel is re-sent from the
+    # start once, even where every guess was right (the provisional mark goes)
+    live, feed = LiveRun("speculative"), PanelFeed("run")
+    messages = []
+    for event in events[:-1]:
+        live.apply(event)
+        messages.append(feed.message(live.result.tokens))
+    assert [t.kind for t in live.result.tokens] == final and not any(t.provisional for t in live.result.tokens)
+    resets = [json.loads(m) for m in messages if m and json.loads(m)["reset"]]
+    assert len(resets) == 1 and resets[0]["start"] == 0 and "provisional" not in "".join(resets[0]["tokens"])
+    assert all("provisional" in span for m in messages[:-1] if m for span in json.loads(m)["tokens"])
+
+
+def test_without_k_tokens_stream_pending_and_accuracy_is_unknown(servers):
+    """Servers attached without their config: K is not known, so nothing is guessed."""
+    servers[1].body = chunked_stream([1, 4, 1], spec_counts([3, 0], [3, 2]))
+    events, result, _ = run(attach(servers))
+    assert {e.kind for e in events if isinstance(e, TokenEvent)} == {TokenKind.PENDING}
+    assert result.metrics["highlighting"] == "exact" and result.metrics["provisional_accuracy"] is None
+
+
+def test_provisional_accuracy_is_saved_with_the_run_and_exported(servers, tmp_path):
+    from specconsole.export import export_csv
+    from specconsole.history import History
+    from specconsole.runner import Comparison
+
+    servers[1].body = chunked_stream([3, 2, 1], spec_counts([3, 1], [3, 2]))
+    history = History(tmp_path / "h.db")
+    comp = Comparison(attach(servers, speculative_config("ngram", 3)), Request(prompt="x", max_new_tokens=6),
+                      "fair", history, {"category": "t", "backend": "vllm"})
+    comp.start()
+    deadline = time.monotonic() + 60
+    while not comp.poll(0.05):
+        assert time.monotonic() < deadline
+    assert comp.status == "completed", comp.error
+    rebuilt = history.results(comp.run_id)["speculative"]
+    assert rebuilt.metrics["provisional_accuracy"] == 0.5
+    assert rebuilt.tokens[4].kind == TokenKind.BONUS and not any(t.provisional for t in rebuilt.tokens)
+    summary, tokens = export_csv(history, tmp_path)
+    with open(summary, newline="") as f:
+        assert next(csv.DictReader(f))["speculative_provisional_accuracy"] == "0.5"
+    assert "provisional" in tokens.read_text().splitlines()[0]
