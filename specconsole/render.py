@@ -58,8 +58,7 @@ class PanelFeed:
 
     The page (assets/live_panel.js) appends the new spans to the ones it has; it re-renders the panel only when
     tokens it already shows changed kind or stopped being provisional (a vLLM re-classification at the end of a
-    request) or when it missed a
-    message, which the last message (`final`) repairs from the full HTML it carries."""
+    request) or when it missed a message, which the last message (`final`) repairs from the full HTML it carries."""
 
     def __init__(self, run: str, show_rejected: bool = True):
         self.run, self.show_rejected = run, show_rejected

@@ -278,9 +278,11 @@ def test_a_usage_chunk_without_counts_says_unknown(servers):
 # --- provisional kinds from chunk boundaries (issue 12) ------------------------------------------------------------
 
 
-def chunked_stream(sizes: list[int], spec: dict) -> list[bytes]:
+def chunked_stream(sizes: list[int], spec: dict, prompt_ids: list[int] | None = None) -> list[bytes]:
     """stream(), with the tokens grouped into chunks of these sizes (as a server sends one chunk per step)."""
-    parts = stream(spec=spec)
+    parts = stream(sum(sizes), spec=spec)
+    if prompt_ids:
+        parts[0] = sse(json.loads(parts[0][6:]) | {"prompt_token_ids": prompt_ids})
     first, tokens, tail = parts[0], [json.loads(p[6:]) for p in parts[1:1 + sum(sizes)]], parts[1 + sum(sizes):]
     chunks, i = [], 0
     for size in sizes:
@@ -294,6 +296,8 @@ def chunked_stream(sizes: list[int], spec: dict) -> list[bytes]:
     return [first] + chunks + tail
 
 
+# a draft model's K=3 (nothing to replay: the guess goes by K alone)
+DRAFT_MODEL = speculative_config("draft_model", 3, "/draft")
 A, B, R, BL = TokenKind.ACCEPTED, TokenKind.BONUS, TokenKind.RECOVERED, TokenKind.BASELINE
 
 PROVISIONAL_CASES = {
@@ -311,7 +315,7 @@ PROVISIONAL_CASES = {
 def test_chunk_sizes_give_provisional_kinds_that_the_counts_confirm_or_correct(servers, case):
     sizes, (accepted, drafted), guessed, final, accuracy = PROVISIONAL_CASES[case]
     servers[1].body = chunked_stream(sizes, spec_counts(accepted, drafted))
-    events, result, _ = run(attach(servers, speculative_config("ngram", 3)))
+    events, result, _ = run(attach(servers, DRAFT_MODEL))
     assert result.error is None and result.metrics["highlighting"] == "exact"
 
     streamed = [e for e in events if isinstance(e, TokenEvent)]
@@ -347,7 +351,7 @@ def test_provisional_accuracy_is_saved_with_the_run_and_exported(servers, tmp_pa
 
     servers[1].body = chunked_stream([3, 2, 1], spec_counts([3, 1], [3, 2]))
     history = History(tmp_path / "h.db")
-    comp = Comparison(attach(servers, speculative_config("ngram", 3)), Request(prompt="x", max_new_tokens=6),
+    comp = Comparison(attach(servers, DRAFT_MODEL), Request(prompt="x", max_new_tokens=6),
                       "fair", history, {"category": "t", "backend": "vllm"})
     comp.start()
     deadline = time.monotonic() + 60
@@ -361,3 +365,39 @@ def test_provisional_accuracy_is_saved_with_the_run_and_exported(servers, tmp_pa
     with open(summary, newline="") as f:
         assert next(csv.DictReader(f))["speculative_provisional_accuracy"] == "0.5"
     assert "provisional" in tokens.read_text().splitlines()[0]
+
+
+def test_an_ngram_replay_tells_plain_steps_and_short_drafts():
+    """For n-gram drafting the guess asks a replay of the proposer how many drafts each step had: a lone token after
+    no drafts is a plain step (baseline), not a rejection, and a step after fewer than K drafts can be a bonus."""
+    from engine.vllm_steps import ChunkGuess, ngram_drafts
+
+    config = speculative_config("ngram", 3)
+    guess = ChunkGuess(3, ngram_drafts([5, 6, 7, 8, 9], config, 2048))
+    # prefill; [6, 7, 8] drafted after "5" and kept, 9 the bonus; [5, 6, 7] drafted after "9", 1 the recovered
+    # token; nothing drafted after "1": 2 is a plain step
+    assert [guess.kinds(ids) for ids in ([5], [6, 7, 8, 9], [1], [2])] == [
+        [(BL, 0, 0)], [(A, 1, 0), (A, 1, 1), (A, 1, 2), (B, 1, 3)], [(R, 2, 0)], [(BL, 3, 0)]]
+    merged = ChunkGuess(3, ngram_drafts([5, 6, 7, 8, 9], config, 2048))  # two steps in one chunk: split
+    assert [kind for kind, _, _ in merged.kinds([5]) + merged.kinds([6, 7, 8, 9, 1])] == [BL, A, A, A, B, R]
+    short = ChunkGuess(3, ngram_drafts([7, 5, 6], config, 2048))  # only [6, 5] follows "5": two drafts
+    assert [kind for kind, _, _ in short.kinds([5]) + short.kinds([6, 5, 4])] == [BL, A, A, B]
+
+
+@pytest.mark.parametrize("sizes, guessed, final, accuracy", [
+    # 4 tokens: the counts fit "prefill + the step, cut after 3 tokens"
+    ([1, 1, 2], [BL, BL, A, R], [BL, BL, A, A], 0.75),
+    # 5 tokens: the counts add up exactly ("prefill + the whole step"), the cut and the plain step cancel out
+    ([1, 1, 3], [BL, BL, A, A, R], [BL, BL, A, A, A], 0.8),
+])
+def test_a_stop_that_cuts_the_last_step_does_not_hide_a_plain_step(servers, sizes, guessed, final, accuracy):
+    """One step in the counts (3 drafted, 3 accepted), but the n-gram proposer had no drafts after the prefill's
+    token (100 is not in the prompt): the truth is prefill, a plain step, then the step cut by a stop. The replay
+    says so; the chunk guess saw it live, and the token it could not know (the cut step's last, guessed recovered)
+    counts as wrong."""
+    servers[1].body = chunked_stream(sizes, spec_counts([3], [3]), prompt_ids=[7, 101, 102, 103, 104])
+    events, result, _ = run(attach(servers, speculative_config("ngram", 3)))
+    assert [e.kind for e in events if isinstance(e, TokenEvent)] == guessed
+    assert result.metrics["highlighting"].startswith("exact (steps without drafts placed by replaying")
+    assert [t.kind for t in result.tokens] == final and [t.step for t in result.tokens][:2] == [0, 1]
+    assert result.metrics["provisional_accuracy"] == pytest.approx(accuracy)

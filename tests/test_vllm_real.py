@@ -118,7 +118,7 @@ def test_both_stream_greedy_identical_and_exactly_classified(vllm):
     assert all(t.provisional for t in streamed) and TokenKind.PENDING not in {t.kind for t in streamed}
     assert isinstance(events[-2], Reclassified)
     assert [(k, st, pos) for _, k, st, pos in events[-2].tokens] == [(t.kind, t.step, t.position) for t in s.tokens]
-    assert s.metrics["highlighting"] == "exact"
+    assert s.metrics["highlighting"].startswith("exact")  # the n-gram replay places steps without drafts
     assert compare(b, s, greedy=True)["identical"]
     kinds = [t.kind for t in s.output_tokens]
     assert TokenKind.PENDING not in kinds and kinds[0] == TokenKind.BASELINE
@@ -158,6 +158,9 @@ def test_provisional_kinds_while_streaming_are_checked_against_the_exact_ones(vl
         seen[name] = (round(accuracy, 3), len(final), s.metrics["accepted"], max(chunk_sizes))
         log.info("provisional accuracy on %s: %.3f of %d tokens (accepted drafts %d, largest chunk %d tokens)",
                  name, accuracy, len(final), s.metrics["accepted"], max(chunk_sizes))
+        letter = {TokenKind.BASELINE: "p", TokenKind.ACCEPTED: "a", TokenKind.BONUS: "b", TokenKind.RECOVERED: "r"}
+        log.info("kinds on %s (p plain, a accepted, b bonus, r recovered)\n guessed %s\n final   %s\n chunks  %s",
+                 name, "".join(letter[t.kind] for t in streamed), "".join(letter[k] for k in final), chunk_sizes)
     record_property("provisional_accuracy", seen)
 
 
@@ -198,7 +201,7 @@ def test_concurrency_sweep(vllm):
 def test_reconfigure_from_the_page_settings(vllm):
     vllm.reconfigure(speculative_config("ngram", 2))
     _, s = run(vllm, "speculative", Request(prompt=JSON_PROMPT, max_new_tokens=30))
-    assert s.metrics["highlighting"] == "exact" and max(st.drafted for st in s.steps) == 2
+    assert s.metrics["highlighting"].startswith("exact") and max(st.drafted for st in s.steps) == 2
     with pytest.raises(VLLMError, match="previous one is running again"):
         vllm.reconfigure(speculative_config("draft_model", 2, "/no/such/draft"))
     assert vllm.speculative_config["num_speculative_tokens"] == 2
