@@ -54,7 +54,7 @@ class Backend(Protocol):
     def speculative(self, req: Request, cancel: threading.Event | None = None, clock: Clock = time.perf_counter
                     ) -> Iterator[Event]:
         """Draft and verify. Token, step and policy events (a backend that learns the kinds only at the end streams
-        pending tokens and then one Reclassified), then one RunResult."""
+        pending or provisional tokens and then one Reclassified), then one RunResult."""
 
     def score(self, req: Request, outputs: list[list[int]]) -> list[list[float]]:
         """Log-probability of each output token under the target (temperature 1), for the sampling check."""

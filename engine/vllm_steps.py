@@ -3,14 +3,18 @@
 
 The arrays list only the verify steps that had drafts. A step whose proposer found nothing (an n-gram proposer with
 no match, common once a sampled output leaves the prompt's wording) is a plain decoding step and is not in them. When
-the counts show no such step, the arrays alone place every token (`classify`). Otherwise, for the n-gram method, the
-proposer is deterministic: replaying vLLM's own n-gram lookup over prompt + output says at which positions it had
-drafts, and every replayed step is checked against the arrays (drafted count, accepted tokens equal to the drafts,
-a recovered token that differs from the rejected draft) before it is trusted (`replay_ngram`). Where neither works,
-the step counts are still exact, but the token kinds and the number of target passes are not known.
+the counts show no such step, the arrays alone place every token (`classify`); but a stop that cuts the last step
+short hides as many tokens as such steps add, so the counts cannot rule them out. For the n-gram method the
+proposer is deterministic, so the backend prefers its replay wherever it works: replaying vLLM's own n-gram lookup
+over prompt + output says at which positions it had drafts, and every replayed step is checked against the arrays
+(drafted count, accepted tokens equal to the drafts, a recovered token that differs from the rejected draft) before
+it is trusted (`replay_ngram`). Where neither works, the step counts are still exact, but the token kinds and the
+number of target passes are not known.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 from engine.events import TokenKind
 
@@ -97,3 +101,53 @@ def replay_ngram(prompt: list[int], output: list[int], accepted: list[int], draf
         j += 1
         pos += a + 1
     return steps if j == len(accepted) else None
+
+
+class ChunkGuess:
+    """Provisional kinds while a speculative server streams, before its per-step counts arrive at the end.
+
+    vLLM usually sends one chunk per engine step, so a chunk of n tokens suggests one target pass: n-1 accepted
+    drafts and one token of the target's (bonus if all the step's drafts were kept, else recovered). The first token
+    comes from the prefill. How many drafts a step had is K, or for n-gram drafting what a replay of the proposer
+    says (`drafts`): then a step without drafts is a plain one (baseline), not a rejection, and the bonus is told
+    right where the proposer found fewer than K. A chunk longer than the step's drafts + 1 holds several steps (the
+    server merges steps when the client reads slowly) and is split. Chunk boundaries can still mislead (a step's
+    tokens split over two chunks shifts the guess), so these kinds are shown as provisional and checked against the
+    exact ones at the end (`provisional_accuracy`)."""
+
+    def __init__(self, k: int, drafts: Callable[[list[int]], int] | None = None):
+        self.k = k
+        self.drafts = drafts  # output so far -> drafts the proposer makes for the next step; None: K
+        self.output: list[int] = []  # token ids guessed so far
+        self.step = 0  # the guessed step of the last token
+
+    def kinds(self, ids: list[int]) -> list[tuple[TokenKind, int, int]]:
+        """(kind, step, position in the step) for the next chunk's token ids."""
+        out, rest = [], list(ids)
+        if rest and not self.output:
+            out.append((TokenKind.BASELINE, 0, 0))  # the prefill's token
+            self.output.append(rest.pop(0))
+        while rest:
+            d = self.k if self.drafts is None else self.drafts(self.output)
+            size = min(len(rest), d + 1)
+            self.step += 1
+            out += [(TokenKind.ACCEPTED, self.step, i) for i in range(size - 1)]
+            target = TokenKind.BASELINE if d == 0 else TokenKind.BONUS if size - 1 == d else TokenKind.RECOVERED
+            out.append((target, self.step, size - 1))
+            self.output += rest[:size]
+            rest = rest[size:]
+        return out
+
+
+def ngram_drafts(prompt: list[int], config: dict, max_model_len: int) -> Callable[[list[int]], int]:
+    """For ChunkGuess: how many tokens vLLM's n-gram proposer drafts after prompt + the output so far."""
+    k, min_n, max_n = config["num_speculative_tokens"], config["prompt_lookup_min"], config["prompt_lookup_max"]
+    return lambda output: len(ngram_proposal(prompt + output, min_n, max_n, k, max_model_len))
+
+
+def provisional_accuracy(guessed: list[TokenKind | None], final: list[TokenKind]) -> float | None:
+    """Fraction of output tokens whose provisional kind was the final one; None when a token had no guess (it
+    streamed as pending) or there are no tokens."""
+    if not final or len(guessed) != len(final) or None in guessed:
+        return None
+    return sum(g == f for g, f in zip(guessed, final)) / len(final)

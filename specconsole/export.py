@@ -28,7 +28,8 @@ SUMMARY_COLUMNS = [
     "repeat",
 ]
 COMPARISON_KEYS = ("decode_speedup", "alpha", "theoretical_bound", "machine_bound", "efficiency")
-METRIC_KEYS = ("output_tokens", "ttft_ms", "tpot_ms", "target_passes", "drafted", "accepted")
+# provisional_accuracy: vLLM runs only (how often the kinds guessed while streaming were right)
+METRIC_KEYS = ("output_tokens", "ttft_ms", "tpot_ms", "target_passes", "drafted", "accepted", "provisional_accuracy")
 TOKEN_COLUMNS = list(EVENT_TABLES["tokens"])
 
 

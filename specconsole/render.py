@@ -16,10 +16,14 @@ KIND_HELP = {
     TokenKind.REJECTED: "rejected: draft text the target refused (not part of the answer)",
     TokenKind.PENDING: "pending: streamed by the server, classified when the request ends",
 }
+# a vLLM token's kind guessed while streaming (engine.vllm_steps.ChunkGuess), before the server's counts confirm it
+PROVISIONAL_NOTE = "provisional: from chunk boundaries"
 
 
 def _title(t: TokenEvent) -> str:
     parts = [KIND_HELP[t.kind].split(":")[0], f"step {t.step}", f"position {t.position}", f"token id {t.token_id}"]
+    if t.provisional:
+        parts.insert(1, PROVISIONAL_NOTE)
     if t.p is not None:
         parts.append(f"p(target) = {t.p:.3f}")
     if t.q is not None:
@@ -36,7 +40,8 @@ def token_span(t: TokenEvent) -> str:
     text = escape(t.text, quote=True) or "&#8203;"
     tag = "del" if t.kind == TokenKind.REJECTED else "span"
     isolate = ' style="unicode-bidi:isolate"' if BIDI_CONTROLS.search(t.text) else ""
-    return f'<{tag} class="tok {t.kind.value}" title="{escape(_title(t), quote=True)}"{isolate}>{text}</{tag}>'
+    classes = f"tok {t.kind.value}" + (" provisional" if t.provisional else "")
+    return f'<{tag} class="{classes}" title="{escape(_title(t), quote=True)}"{isolate}>{text}</{tag}>'
 
 
 def tokens_html(tokens: list[TokenEvent], show_rejected: bool = True, error: str | None = None,
@@ -52,24 +57,24 @@ class PanelFeed:
     """What one live token panel shows, so that each update sends only the tokens that are new to it.
 
     The page (assets/live_panel.js) appends the new spans to the ones it has; it re-renders the panel only when
-    tokens it already shows changed kind (a vLLM re-classification at the end of a request) or when it missed a
-    message, which the last message (`final`) repairs from the full HTML it carries."""
+    tokens it already shows changed kind or stopped being provisional (a vLLM re-classification at the end of a
+    request) or when it missed a message, which the last message (`final`) repairs from the full HTML it carries."""
 
     def __init__(self, run: str, show_rejected: bool = True):
         self.run, self.show_rejected = run, show_rejected
-        self.kinds: list[TokenKind] = []  # the kind of every token sent so far, in order
+        self.kinds: list[tuple[TokenKind, bool]] = []  # (kind, provisional) of every token sent so far, in order
         self.footer: tuple = ()
 
     def message(self, tokens: list[TokenEvent], status: str = "", error: str | None = None,
                 final: bool = False) -> str | None:
         """The JSON message for the page, or None when the panel would not change."""
         visible = [t for t in tokens if self.show_rejected or t.kind != TokenKind.REJECTED]
-        reset = any(t.kind != kind for t, kind in zip(visible, self.kinds))
+        reset = any((t.kind, t.provisional) != shown for t, shown in zip(visible, self.kinds))
         start = 0 if reset else len(self.kinds)
         new = visible[start:]
         if not (new or reset or final) and (status, error) == self.footer:
             return None
-        self.kinds, self.footer = [t.kind for t in visible], (status, error)
+        self.kinds, self.footer = [(t.kind, t.provisional) for t in visible], (status, error)
         message = {"run": self.run, "start": start, "tokens": [token_span(t) for t in new], "total": len(visible),
                    "status": status, "error": error, "reset": reset}
         if final:
@@ -120,6 +125,17 @@ def _sampling_check_rows(comparison: dict) -> list[tuple[str, str]]:
     return rows
 
 
+def _provisional_figure(s: dict) -> str:
+    """How often the kinds guessed while streaming were the final ones (engine.vllm_steps.provisional_accuracy)."""
+    if "provisional_accuracy" not in s:
+        return "–"  # still streaming, or a run that ended in an error
+    if s["provisional_accuracy"] is None:
+        return "unknown"
+    tokens = escape(str(s.get("output_tokens", "–")))
+    note = f'<div class="fig-note">of {tokens} tokens, guessed from chunk boundaries</div>'
+    return f'{s["provisional_accuracy"]:.0%}{note}'
+
+
 def figures_html(baseline: RunResult | None, speculative: RunResult | None, comparison: dict, mode: str,
                  rolling_acceptance: float | None) -> str:
     b = baseline.metrics if baseline else {}
@@ -156,6 +172,7 @@ def figures_html(baseline: RunResult | None, speculative: RunResult | None, comp
             ("vLLM tokens/s (baseline | speculative)",
              f'{_fmt(b.get("vllm_tokens_per_second"), ".1f")} | {_fmt(s.get("vllm_tokens_per_second"), ".1f")}'),
             ("highlighting", escape(str(s.get("highlighting", "–")))),
+            ("provisional kinds right", _provisional_figure(s)),
         ]
     rows.append(("mode", escape(mode)))
     if "noisy" in comparison:  # known once the run ended

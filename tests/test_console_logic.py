@@ -35,6 +35,29 @@ def test_tokens_are_escaped():
     assert "&lt;b&gt;" in tokens_html([], error="<b>bad</b>")
 
 
+def test_provisional_tokens_are_marked_and_escaped():
+    """A vLLM token whose kind is a guess from chunk boundaries: its own class and a note in the tooltip, model text
+    escaped; once confirmed (provisional cleared) neither is left."""
+    guess = TokenEvent(TokenKind.BONUS, 7, '<img src=x onerror="y">', 2, 3, 0.2, 5, provisional=True)
+    html = token_span(guess)
+    assert "<img" not in html and "&lt;img src=x onerror=&quot;y&quot;&gt;" in html
+    assert 'class="tok bonus provisional"' in html and "provisional: from chunk boundaries" in html
+    guess.provisional = False
+    assert 'class="tok bonus"' in token_span(guess) and "chunk boundaries" not in token_span(guess)
+
+
+def test_provisional_accuracy_is_a_vllm_figure():
+    from engine.events import RunResult
+    b, s = RunResult("baseline", "none", 0), RunResult("speculative", "ngram", 0)
+    b.metrics = {"vllm_time_to_first_token_ms": 5.0}
+    s.metrics = {"vllm_time_to_first_token_ms": 4.0, "provisional_accuracy": 0.75, "output_tokens": 12}
+    assert "provisional kinds right" in (html := figures_html(b, s, {}, "fair", None)) and "75%" in html
+    s.metrics["provisional_accuracy"] = None
+    assert "unknown" in figures_html(b, s, {}, "fair", None).split("provisional kinds right")[1][:80]
+    local = RunResult("speculative", "draft", 0)
+    assert "provisional" not in figures_html(None, local, {}, "fair", None)  # not a figure of the local backend
+
+
 def test_rejected_drafts_can_be_hidden():
     toks = [TokenEvent(TokenKind.ACCEPTED, 1, "x", 1, 0, 0.1, 0), TokenEvent(TokenKind.REJECTED, 2, "y", 1, 1, 0.1)]
     assert "rejected" in tokens_html(toks, show_rejected=True)

@@ -8,6 +8,7 @@ hang and never raise out of the generator; per-step counts that contradict the s
 
 from __future__ import annotations
 
+import csv
 import json
 import threading
 import time
@@ -254,9 +255,14 @@ def test_counts_that_do_not_add_up_leave_the_tokens_unplaced(servers, case):
     events, result, _ = run(attach(servers, config))
     assert result.error is None and result.finish_reason == "length"
     assert not any(isinstance(e, Reclassified) for e in events)
-    assert [t.kind for t in result.tokens] == [TokenKind.PENDING] * 6 and result.steps == []
     m = result.metrics
-    assert "tokens unplaced" in m["highlighting"] and "tokens stay pending" in m["highlighting"]
+    assert result.steps == [] and m["provisional_accuracy"] is None and "tokens unplaced" in m["highlighting"]
+    if config is None:  # K not known: nothing to guess with
+        assert [t.kind for t in result.tokens] == [TokenKind.PENDING] * 6
+        assert "tokens stay pending" in m["highlighting"]
+    else:  # the guesses from chunk boundaries stay, marked provisional
+        assert all(t.provisional for t in result.tokens) and TokenKind.PENDING not in {t.kind for t in result.tokens}
+        assert "tokens keep their provisional kinds" in m["highlighting"]
     assert m["target_passes"] is None and m["passes_saved"] is None and m["mean_k"] is None
     assert m["steps"] == len(drafted) and m["drafted"] == sum(drafted)  # the server's own counts are still shown
     assert m["server_delta"]["num_drafts"] == 0.0  # /metrics was read before and after
@@ -267,3 +273,131 @@ def test_a_usage_chunk_without_counts_says_unknown(servers):
     events, result, _ = run(attach(servers))
     assert result.error is None and not any(isinstance(e, Reclassified) for e in events)
     assert result.metrics["target_passes"] is None and "tokens stay pending" in result.metrics["highlighting"]
+
+
+# --- provisional kinds from chunk boundaries (issue 12) ------------------------------------------------------------
+
+
+def chunked_stream(sizes: list[int], spec: dict, prompt_ids: list[int] | None = None) -> list[bytes]:
+    """stream(), with the tokens grouped into chunks of these sizes (as a server sends one chunk per step)."""
+    parts = stream(sum(sizes), spec=spec)
+    if prompt_ids:
+        parts[0] = sse(json.loads(parts[0][6:]) | {"prompt_token_ids": prompt_ids})
+    first, tokens, tail = parts[0], [json.loads(p[6:]) for p in parts[1:1 + sum(sizes)]], parts[1 + sum(sizes):]
+    chunks, i = [], 0
+    for size in sizes:
+        group = tokens[i:i + size]
+        choice = group[0]["choices"][0] | {
+            "delta": {"content": "".join(c["choices"][0]["delta"]["content"] for c in group)},
+            "token_ids": [t for c in group for t in c["choices"][0]["token_ids"]],
+            "logprobs": {"content": [p for c in group for p in c["choices"][0]["logprobs"]["content"]]}}
+        chunks.append(sse({"id": "c", "object": "chat.completion.chunk", "choices": [choice]}))
+        i += size
+    return [first] + chunks + tail
+
+
+# a draft model's K=3 (nothing to replay: the guess goes by K alone)
+DRAFT_MODEL = speculative_config("draft_model", 3, "/draft")
+A, B, R, BL = TokenKind.ACCEPTED, TokenKind.BONUS, TokenKind.RECOVERED, TokenKind.BASELINE
+
+PROVISIONAL_CASES = {
+    # chunk sizes, per-step (accepted, drafted), the guessed kinds, the final kinds, provisional accuracy
+    # one chunk per step: every guess is right
+    "chunks are steps": ([1, 4, 1], ([3, 0], [3, 2]), [BL, A, A, A, B, R], [BL, A, A, A, B, R], 1.0),
+    # the prefill's token and the first step arrive together, and a step's tokens split over two chunks
+    "chunk boundaries mislead": ([3, 2, 1], ([3, 1], [3, 2]), [BL, A, R, A, R, R], [BL, A, A, A, B, A], 3 / 6),
+    # a chunk longer than K+1 holds two steps (a slow reader): split into steps of K+1
+    "merged steps": ([1, 5], ([3, 0], [3, 3]), [BL, A, A, A, B, R], [BL, A, A, A, B, R], 1.0),
+}
+
+
+@pytest.mark.parametrize("case", list(PROVISIONAL_CASES))
+def test_chunk_sizes_give_provisional_kinds_that_the_counts_confirm_or_correct(servers, case):
+    sizes, (accepted, drafted), guessed, final, accuracy = PROVISIONAL_CASES[case]
+    servers[1].body = chunked_stream(sizes, spec_counts(accepted, drafted))
+    events, result, _ = run(attach(servers, DRAFT_MODEL))
+    assert result.error is None and result.metrics["highlighting"] == "exact"
+
+    streamed = [e for e in events if isinstance(e, TokenEvent)]
+    assert [t.kind for t in streamed] == guessed and all(t.provisional for t in streamed)
+    assert [t.kind for t in result.tokens] == final and not any(t.provisional for t in result.tokens)
+    assert result.metrics["provisional_accuracy"] == pytest.approx(accuracy)
+
+    # the console's copy: Reclassified gives the final kinds and clears the mark; the panel is re-sent from the
+    # start once, even where every guess was right (the provisional mark goes)
+    live, feed = LiveRun("speculative"), PanelFeed("run")
+    messages = []
+    for event in events[:-1]:
+        live.apply(event)
+        messages.append(feed.message(live.result.tokens))
+    assert [t.kind for t in live.result.tokens] == final and not any(t.provisional for t in live.result.tokens)
+    resets = [json.loads(m) for m in messages if m and json.loads(m)["reset"]]
+    assert len(resets) == 1 and resets[0]["start"] == 0 and "provisional" not in "".join(resets[0]["tokens"])
+    assert all("provisional" in span for m in messages[:-1] if m for span in json.loads(m)["tokens"])
+
+
+def test_without_k_tokens_stream_pending_and_accuracy_is_unknown(servers):
+    """Servers attached without their config: K is not known, so nothing is guessed."""
+    servers[1].body = chunked_stream([1, 4, 1], spec_counts([3, 0], [3, 2]))
+    events, result, _ = run(attach(servers))
+    assert {e.kind for e in events if isinstance(e, TokenEvent)} == {TokenKind.PENDING}
+    assert result.metrics["highlighting"] == "exact" and result.metrics["provisional_accuracy"] is None
+
+
+def test_provisional_accuracy_is_saved_with_the_run_and_exported(servers, tmp_path):
+    from specconsole.export import export_csv
+    from specconsole.history import History
+    from specconsole.runner import Comparison
+
+    servers[1].body = chunked_stream([3, 2, 1], spec_counts([3, 1], [3, 2]))
+    history = History(tmp_path / "h.db")
+    comp = Comparison(attach(servers, DRAFT_MODEL), Request(prompt="x", max_new_tokens=6),
+                      "fair", history, {"category": "t", "backend": "vllm"})
+    comp.start()
+    deadline = time.monotonic() + 60
+    while not comp.poll(0.05):
+        assert time.monotonic() < deadline
+    assert comp.status == "completed", comp.error
+    rebuilt = history.results(comp.run_id)["speculative"]
+    assert rebuilt.metrics["provisional_accuracy"] == 0.5
+    assert rebuilt.tokens[4].kind == TokenKind.BONUS and not any(t.provisional for t in rebuilt.tokens)
+    summary, tokens = export_csv(history, tmp_path)
+    with open(summary, newline="") as f:
+        assert next(csv.DictReader(f))["speculative_provisional_accuracy"] == "0.5"
+    assert "provisional" in tokens.read_text().splitlines()[0]
+
+
+def test_an_ngram_replay_tells_plain_steps_and_short_drafts():
+    """For n-gram drafting the guess asks a replay of the proposer how many drafts each step had: a lone token after
+    no drafts is a plain step (baseline), not a rejection, and a step after fewer than K drafts can be a bonus."""
+    from engine.vllm_steps import ChunkGuess, ngram_drafts
+
+    config = speculative_config("ngram", 3)
+    guess = ChunkGuess(3, ngram_drafts([5, 6, 7, 8, 9], config, 2048))
+    # prefill; [6, 7, 8] drafted after "5" and kept, 9 the bonus; [5, 6, 7] drafted after "9", 1 the recovered
+    # token; nothing drafted after "1": 2 is a plain step
+    assert [guess.kinds(ids) for ids in ([5], [6, 7, 8, 9], [1], [2])] == [
+        [(BL, 0, 0)], [(A, 1, 0), (A, 1, 1), (A, 1, 2), (B, 1, 3)], [(R, 2, 0)], [(BL, 3, 0)]]
+    merged = ChunkGuess(3, ngram_drafts([5, 6, 7, 8, 9], config, 2048))  # two steps in one chunk: split
+    assert [kind for kind, _, _ in merged.kinds([5]) + merged.kinds([6, 7, 8, 9, 1])] == [BL, A, A, A, B, R]
+    short = ChunkGuess(3, ngram_drafts([7, 5, 6], config, 2048))  # only [6, 5] follows "5": two drafts
+    assert [kind for kind, _, _ in short.kinds([5]) + short.kinds([6, 5, 4])] == [BL, A, A, B]
+
+
+@pytest.mark.parametrize("sizes, guessed, final, accuracy", [
+    # 4 tokens: the counts fit "prefill + the step, cut after 3 tokens"
+    ([1, 1, 2], [BL, BL, A, R], [BL, BL, A, A], 0.75),
+    # 5 tokens: the counts add up exactly ("prefill + the whole step"), the cut and the plain step cancel out
+    ([1, 1, 3], [BL, BL, A, A, R], [BL, BL, A, A, A], 0.8),
+])
+def test_a_stop_that_cuts_the_last_step_does_not_hide_a_plain_step(servers, sizes, guessed, final, accuracy):
+    """One step in the counts (3 drafted, 3 accepted), but the n-gram proposer had no drafts after the prefill's
+    token (100 is not in the prompt): the truth is prefill, a plain step, then the step cut by a stop. The replay
+    says so; the chunk guess saw it live, and the token it could not know (the cut step's last, guessed recovered)
+    counts as wrong."""
+    servers[1].body = chunked_stream(sizes, spec_counts([3], [3]), prompt_ids=[7, 101, 102, 103, 104])
+    events, result, _ = run(attach(servers, speculative_config("ngram", 3)))
+    assert [e.kind for e in events if isinstance(e, TokenEvent)] == guessed
+    assert result.metrics["highlighting"].startswith("exact (steps without drafts placed by replaying")
+    assert [t.kind for t in result.tokens] == final and [t.step for t in result.tokens][:2] == [0, 1]
+    assert result.metrics["provisional_accuracy"] == pytest.approx(accuracy)
