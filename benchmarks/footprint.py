@@ -1,0 +1,165 @@
+"""Memory, disk and start-up time of a preset, each load in a fresh subprocess.
+
+    python benchmarks/footprint.py                  # qwen-coder, from the cache as it is
+    python benchmarks/footprint.py --cold           # also a start from the downloaded wheels only (no download:
+                                                    # the cache's wheels are hard-linked into a scratch cache)
+    python benchmarks/footprint.py --code /tmp/old  # the same measurement for another checkout (before/after)
+
+Figures: RSS and USS (psutil memory_full_info) once loaded and after a short greedy run on both engines; peak RSS
+(getrusage ru_maxrss) and peak USS (sampled every 0.1 s); seconds from process start (imports included) to a
+LocalBackend that can serve; the preset's files in the cache. Timings on a shared machine are noisy; memory is not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GIB = 1 << 30
+log = logging.getLogger("footprint")
+
+
+def child(preset_name: str) -> None:
+    """Runs in the fresh process: load, measure, one greedy run on both engines, measure again, print JSON."""
+    import gc
+    import resource
+
+    import psutil
+
+    proc = psutil.Process()
+    peak = {"uss": 0}
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            try:
+                peak["uss"] = max(peak["uss"], proc.memory_full_info().uss)
+            except psutil.Error:
+                pass
+            done.wait(0.1)
+
+    threading.Thread(target=sample, daemon=True).start()
+    from engine.local_backend import LocalBackend
+    from engine.request import Request
+
+    backend = LocalBackend.from_preset(preset_name)
+    ready_s = time.time() - proc.create_time()
+    gc.collect()
+    loaded = proc.memory_full_info()
+    req = Request(prompt="Write a Python function that reverses a string.", max_new_tokens=8, method="draft"
+                  if backend.draft else "ngram", k=4)
+    *_, base = backend.baseline(req)
+    *_, spec = backend.speculative(req)
+    gc.collect()
+    after = proc.memory_full_info()
+    done.set()
+    print(json.dumps({
+        "ready_s": round(ready_s, 1),
+        "loaded_rss_gib": loaded.rss / GIB, "loaded_uss_gib": loaded.uss / GIB,
+        "steady_rss_gib": after.rss / GIB, "steady_uss_gib": after.uss / GIB,
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,
+        "peak_uss_gib": max(peak["uss"], after.uss) / GIB,
+        "weights_gib": (backend.target.nbytes + (backend.draft.nbytes if backend.draft else 0)) / GIB,
+        "greedy_identical": base.output_ids == spec.output_ids,
+    }))
+
+
+def measure(preset: str, cache: Path, code: Path) -> dict:
+    env = dict(os.environ, SPECCONSOLE_CACHE=str(cache), HF_HUB_OFFLINE="1", PYTHONPATH=str(code),
+               GRADIO_ANALYTICS_ENABLED="False", TQDM_DISABLE="1")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", preset]
+    done = subprocess.run(cmd, env=env, cwd=code, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"the load failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def preset_files(preset: str, cache: Path) -> dict[str, int]:
+    """Bytes on disk per kind of file the preset uses (hard links counted once per path, as du would)."""
+    from engine.models import PRESETS
+    from engine.weights import SOURCES
+
+    p = PRESETS[preset]
+    sizes = {"gguf": 0, "gguf-meta": 0, "wheels": 0, "legacy float32 (models/)": 0}
+    for name in filter(None, (p.target, p.draft)):
+        source = SOURCES[name]
+        files = {"gguf": [cache / "gguf" / source.filename], "gguf-meta": (cache / "gguf-meta" / name).glob("*"),
+                 "legacy float32 (models/)": (cache / "models" / name).glob("*"),
+                 "wheels": [w for c in source.chunks for w in (cache / "wheels").glob(f"{c.dist.replace('-', '_')}-*.whl")]}
+        for kind, paths in files.items():
+            sizes[kind] += sum(f.stat().st_size for f in paths if f.is_file())
+    return sizes
+
+
+def machine() -> str:
+    import psutil
+
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    return (f"{model}, {os.cpu_count()} cores, {psutil.virtual_memory().total / GIB:.0f} GiB RAM, "
+            f"{platform.system()} {platform.release()}, load average {os.getloadavg()[0]:.1f} at start")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="qwen-coder")
+    ap.add_argument("--cold", action="store_true", help="also measure a start from the wheels only")
+    ap.add_argument("--code", type=Path, default=ROOT, help="checkout whose engine is measured")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        logging.basicConfig(level=logging.WARNING)
+        return child(args.child)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    sys.path.insert(0, str(ROOT))
+    from engine.weights import SOURCES, cache_dir
+
+    cache = cache_dir()
+    log.info("machine: %s", machine())
+    log.info("code: %s; cache: %s", args.code, cache)
+    runs = {}
+    if args.cold:
+        from engine.models import PRESETS
+
+        p = PRESETS[args.preset]
+        with tempfile.TemporaryDirectory(dir=cache, prefix="cold-") as scratch:
+            (Path(scratch) / "wheels").mkdir()
+            for name in filter(None, (p.target, p.draft)):
+                for c in SOURCES[name].chunks:
+                    for wheel in (cache / "wheels").glob(f"{c.dist.replace('-', '_')}-{c.version}-*.whl"):
+                        os.link(wheel, Path(scratch) / "wheels" / wheel.name)
+            log.info("cold start (wheels only; assembles, reads configs, loads)...")
+            runs["cold"] = measure(args.preset, Path(scratch), args.code)
+            runs["cold"]["cache_after"] = preset_files(args.preset, Path(scratch))
+    log.info("cached start...")
+    runs["cached"] = measure(args.preset, cache, args.code)
+    files = preset_files(args.preset, cache)
+    for kind, r in runs.items():
+        log.info("%s start: ready in %.1f s (process start to a backend that can serve, imports included)",
+                 kind, r["ready_s"])
+        log.info("  loaded: RSS %.2f GiB, USS %.2f GiB; after an 8-token run on both engines: RSS %.2f GiB, "
+                 "USS %.2f GiB", r["loaded_rss_gib"], r["loaded_uss_gib"], r["steady_rss_gib"], r["steady_uss_gib"])
+        log.info("  peak: RSS %.2f GiB (ru_maxrss), USS %.2f GiB (sampled); weights as counted by the engine "
+                 "%.2f GiB; greedy speculative == baseline: %s", r["peak_rss_gib"], r["peak_uss_gib"],
+                 r["weights_gib"], r["greedy_identical"])
+    for kind, n in files.items():
+        log.info("cache, %s: %.2f GB", kind, n / 1e9)
+    used = files["gguf"] + files["gguf-meta"]
+    log.info("cache the preset needs (gguf + gguf-meta): %.2f GB; all of the above: %.2f GB", used / 1e9,
+             sum(files.values()) / 1e9)
+    print(json.dumps({"machine": machine(), "runs": runs, "cache_bytes": files}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
