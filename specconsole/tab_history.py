@@ -10,7 +10,7 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
-from specconsole.export import export_csv
+from specconsole.export import export_all as export_csv_files
 from specconsole.replay import UnknownRun, write_replay
 from specconsole.history import History, HistoryError
 from specconsole.render import figures_html, tokens_html
@@ -77,7 +77,8 @@ def build(history: History, tab: gr.Tab, show_rejected: gr.Checkbox, run_event) 
                 f"method {escape(row['method'] or '')} · mode {escape(row['mode'] or '')}"
                 + (f" · error: {escape(row['error'])}" if row["error"] else "")
                 + f"\n\n> {escape((row['prompt'] or '')[:300])}")
-        return (*html, *figures_for(results), info)
+        labels = {e: saved["label"] for e, saved in history.engines(row["id"]).items()}
+        return (*html, *figures_for(results, labels), info)
 
     def delete_runs(selected, category, page):
         ids = _ids(selected)
@@ -95,7 +96,7 @@ def build(history: History, tab: gr.Tab, show_rejected: gr.Checkbox, run_event) 
             gr.Warning("Select runs in the table first (click a row), or export the whole history.")
             return None
         out = Path(tempfile.mkdtemp(prefix="specconsole-export-"))
-        return [str(p) for p in export_csv(history, out, ids)]
+        return [str(p) for p in export_csv_files(history, out, ids)]
 
     def replays(selected):
         """One self-contained HTML file per selected run, replaying it offline at its recorded timing."""
