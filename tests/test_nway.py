@@ -306,3 +306,17 @@ def test_engines_table_escapes_labels_and_says_how_they_ran(backend):
     assert "&lt;b&gt;n&lt;/b&gt;" in html and "<b>n" not in html
     assert html.count("<tr data-engine") == 3 and html.count("✔ identical") == 2
     assert "sharing the machine" in html
+
+
+def test_history_tab_shows_the_extra_engines_of_a_saved_run(backend, tmp_path):
+    from specconsole.tab_history import view
+
+    history = History(tmp_path / "h.db")
+    base = Request(prompt="hello", max_new_tokens=8, method="draft", k=2)
+    comp = run_to_end(Comparison(backend, base, "fair", history, {"method": "draft"},
+                                 extra=[variant(base, "n-gram", method="ngram")]))
+    row = history.run(comp.run_id)
+    _, _, figures = view(history.results(comp.run_id), json.loads(row["comparison"]), "fair", True,
+                         history.engines(comp.run_id))
+    assert figures.count("<tr data-engine") == 3 and 'class="history-extra" data-engine="speculative-2"' in figures
+    assert figures.count("✔ identical") == 3  # the main engine's line and two table rows
