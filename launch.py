@@ -2,6 +2,8 @@
 
     python launch.py                       the console in the browser (http://127.0.0.1:7860)
     python launch.py demo --prompt "..."   one prompt on both engines in the terminal, with the comparison
+    python launch.py demo --prompt "..." --compare draft,ngram,draft:k=4   the baseline and up to four speculative
+                                           configurations, then a table of them all
     python launch.py replay RUN_ID --out replay.html   a saved run as a self-contained HTML replay (offline)
 """
 
@@ -103,6 +105,8 @@ def demo(args) -> int:
             return 2
         backend = host.backend
         req = build_request(args, args.prompt, host.method)
+        if args.compare:
+            return _demo_compare(backend, req, args.compare)
         backend.validate(req)  # before printing anything
         results = {engine: _stream_to_terminal(backend, engine, req) for engine in ("baseline", "speculative")}
         c = compare(results["baseline"], results["speculative"], req.sampling.greedy)
@@ -113,13 +117,46 @@ def demo(args) -> int:
         host.close()
 
 
-def _stream_to_terminal(backend, engine: str, req):
+def _demo_compare(backend, base, spec: str) -> int:
+    """`demo --compare`: the baseline, then each configuration of `spec` (specconsole.variants.parse_compare), one
+    after the other, streamed; then one table: engine, label, tokens/s, speedup, acceptance, identical."""
+    from engine.metrics import compare
+    from specconsole.runner import extra_engine
+    from specconsole.variants import parse_compare
+
+    from engine.sampling import SettingsError
+
+    if not backend.capabilities.per_request_drafting:
+        raise SettingsError("--compare needs a backend that takes drafting settings per run (--backend local)")
+    variants = parse_compare(spec, base)
+    engines = {"speculative": variants[0], **{extra_engine(i): v for i, v in enumerate(variants[1:])}}
+    for v in variants:  # every configuration can be served before anything is printed (a missing draft model)
+        backend.validate(v.request)
+    results = {"baseline": _stream_to_terminal(backend, "baseline", base)}
+    for engine, v in engines.items():
+        results[engine] = _stream_to_terminal(backend, engine, v.request, v.label)
+    greedy = base.sampling.greedy
+    rows = [("engine", "label", "tokens/s", "speedup", "acceptance", "identical")]
+    for engine, r in results.items():
+        c = compare(results["baseline"], r, greedy) if engine != "baseline" else {}
+        acceptance = r.metrics.get("acceptance_rate")
+        identical = "-" if "identical" not in c else ("yes" if c["identical"] else f"no@{c['first_divergence']}")
+        rows.append((engine, engines[engine].label if engine in engines else "baseline",
+                     f"{r.metrics.get('tokens_per_s') or 0:.2f}", "-" if not c.get("speedup") else f"{c['speedup']:.2f}x",
+                     "-" if acceptance is None else f"{acceptance:.2f}", identical))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    sys.stdout.write("\n" + "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+                                       for row in rows) + "\n")
+    return 0
+
+
+def _stream_to_terminal(backend, engine: str, req, label: str | None = None):
     from dataclasses import replace
 
     from engine.events import Reclassified, RunResult, TokenEvent
 
     out, result, tokens = sys.stdout, None, []
-    out.write(f"\n== {engine} ==\n")
+    out.write(f"\n== {engine}{f' ({label})' if label else ''} ==\n")
     for event in (backend.baseline if engine == "baseline" else backend.speculative)(req):
         if isinstance(event, TokenEvent):
             tokens.append(replace(event))
@@ -358,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
         add_request_args(p)
         add_backend_args(p)
         p.add_argument("--prompt", required=True)
+        p.add_argument("--compare", help="N-way: comma list of speculative configurations, each a method with "
+                                         "optional :k=N (fixed K) or :dynamic, e.g. draft,ngram,draft:k=4 (up to 4)")
         args, run = p.parse_args(argv[1:]), demo
     else:
         p = argparse.ArgumentParser(prog="launch.py", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)

@@ -1,4 +1,8 @@
-"""CSV export of the history: one summary row per run, and one row per token event.
+"""CSV export of the history: one summary row per run, one row per token event, and one row per engine of a run.
+
+An N-way comparison's extra speculative engines ("speculative-2", ...) appear in the runs CSV as an `engines` column
+(the engines of the run, in order) and columns prefixed by the engine's name; the tokens CSV has an `engine` column;
+the engines CSV (export_all) has one row per run and engine, also for runs saved before the engines table existed.
 
 Both files are written as the rows come from SQLite, a row at a time, so that exporting a long history (millions of
 token events) takes little memory: nothing builds the whole table first. The export reads through a read-only
@@ -31,6 +35,10 @@ COMPARISON_KEYS = ("decode_speedup", "alpha", "theoretical_bound", "machine_boun
 # provisional_accuracy: vLLM runs only (how often the kinds guessed while streaming were right)
 METRIC_KEYS = ("output_tokens", "ttft_ms", "tpot_ms", "target_passes", "drafted", "accepted", "provisional_accuracy")
 TOKEN_COLUMNS = list(EVENT_TABLES["tokens"])
+# the engines CSV: one row per run and engine
+ENGINE_CSV_COLUMNS = ["run_id", "engine", "label", "method", "tokens_per_s", "speedup", "acceptance_rate",
+                      "mean_accepted_length", "identical", "first_divergence", *METRIC_KEYS,
+                      "error", "output"]
 
 
 def neutralise(value):
@@ -49,7 +57,37 @@ def _selection(column: str, run_ids: list[str] | None) -> tuple[str, list]:
     return (f"WHERE {column} IN (SELECT value FROM json_each(?))", [json.dumps(run_ids)]) if run_ids else ("", [])
 
 
-def _summary_row(run: dict) -> dict:
+def _engine_rows(conn: sqlite3.Connection, run: dict) -> list[dict]:
+    """One row per engine of the run, as the engines CSV has them. The baseline and the main speculative engine
+    come from the runs table's columns (every version wrote them); the others from the engines table."""
+    cursor = conn.execute("SELECT * FROM engines WHERE run_id = ? ORDER BY rowid", [run["id"]])
+    names = [d[0] for d in cursor.description]
+    saved = {r["engine"]: r for r in (dict(zip(names, row)) for row in cursor)}
+    comparison = json.loads(run.get("comparison") or "{}")
+    rows = []
+    for engine in dict.fromkeys(["baseline", "speculative", *saved]):
+        e = saved.get(engine, {})
+        if engine in ("baseline", "speculative"):
+            e = e | {"output": run.get(f"{engine}_output"), "metrics": run.get(f"{engine}_metrics"),
+                     "error": run.get(f"{engine}_error"),
+                     "comparison": json.dumps(comparison) if engine == "speculative" else None,
+                     "label": e.get("label") or engine,
+                     "method": run.get("method") if engine == "speculative" else "none"}
+        metrics = json.loads(e.get("metrics") or "{}")
+        c = json.loads(e.get("comparison") or "{}")
+        identical = c.get("identical")
+        rows.append({"run_id": run["id"], "engine": engine, "label": e.get("label"), "method": e.get("method"),
+                     "tokens_per_s": metrics.get("tokens_per_s"), "speedup": c.get("speedup"),
+                     "acceptance_rate": metrics.get("acceptance_rate"),
+                     "mean_accepted_length": metrics.get("mean_accepted_length"),
+                     "identical": None if identical is None else int(identical),
+                     "first_divergence": c.get("first_divergence"),
+                     **{k: metrics.get(k) for k in METRIC_KEYS}, "error": e.get("error"), "output": e.get("output")})
+    return rows
+
+
+def _summary_row(run: dict, engines: list[dict] | None = None) -> dict:
+    """One run's row; `engines` (its _engine_rows) add the engines column and the extra engines' figures."""
     row = {c: run.get(c) for c in SUMMARY_COLUMNS}
     for key, value in json.loads(run.get("settings") or "{}").items():
         row[f"setting_{key}"] = value
@@ -61,6 +99,12 @@ def _summary_row(run: dict) -> dict:
         for key in METRIC_KEYS:
             if key in metrics:
                 row[f"{engine}_{key}"] = metrics[key]
+    if engines is not None:
+        row["engines"] = ",".join(e["engine"] for e in engines)
+        for e in engines[2:]:  # speculative-2, ...: the first two have their columns above
+            for key in ("label", "method", "tokens_per_s", "speedup", "acceptance_rate", "mean_accepted_length",
+                        "identical", "first_divergence", "output", "error", *METRIC_KEYS):
+                row[f"{e['engine']}_{key}"] = e[key]
     return row
 
 
@@ -88,12 +132,26 @@ def write_summary(conn: sqlite3.Connection, path: Path, run_ids: list[str] | Non
 
     columns = dict.fromkeys(SUMMARY_COLUMNS)
     for run in runs():
-        columns.update(dict.fromkeys(_summary_row(run)))
+        columns.update(dict.fromkeys(_summary_row(run, _engine_rows(conn, run))))
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=list(columns), lineterminator="\n")
         writer.writeheader()
         for run in runs():
-            writer.writerow({k: neutralise(v) for k, v in _summary_row(run).items()})
+            writer.writerow({k: neutralise(v) for k, v in _summary_row(run, _engine_rows(conn, run)).items()})
+    return path
+
+
+def write_engines(conn: sqlite3.Connection, path: Path, run_ids: list[str] | None = None) -> Path:
+    """One row per run and engine, newest run first, engines in the run's order."""
+    where, args = _selection("id", run_ids)
+    cursor = conn.execute(f"SELECT * FROM runs {where} ORDER BY created_at DESC, rowid DESC", args)
+    names = [d[0] for d in cursor.description]
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=ENGINE_CSV_COLUMNS, lineterminator="\n")
+        writer.writeheader()
+        for values in cursor:
+            for row in _engine_rows(conn, dict(zip(names, values))):
+                writer.writerow({k: neutralise(v) for k, v in row.items()})
     return path
 
 
@@ -111,7 +169,17 @@ def write_tokens(conn: sqlite3.Connection, path: Path, run_ids: list[str] | None
 
 
 def export_csv(history: History, out_dir: Path, run_ids: list[str] | None = None) -> tuple[Path, Path]:
+    """The runs CSV and the tokens CSV."""
     out_dir.mkdir(parents=True, exist_ok=True)
     with _snapshot(history) as conn:
         return (write_summary(conn, out_dir / "specconsole_runs.csv", run_ids),
                 write_tokens(conn, out_dir / "specconsole_tokens.csv", run_ids))
+
+
+def export_all(history: History, out_dir: Path, run_ids: list[str] | None = None) -> tuple[Path, Path, Path]:
+    """The runs, tokens and engines CSVs, all from the same moment of the history."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with _snapshot(history) as conn:
+        return (write_summary(conn, out_dir / "specconsole_runs.csv", run_ids),
+                write_tokens(conn, out_dir / "specconsole_tokens.csv", run_ids),
+                write_engines(conn, out_dir / "specconsole_engines.csv", run_ids))

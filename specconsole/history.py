@@ -1,7 +1,10 @@
 """Every run, saved in a SQLite file (sqlite-utils): settings, prompt, outputs, all token events, metrics, status.
 
 Tables: runs (one row per comparison), tokens, steps and policy (the engine's events, per engine), so that a past
-run can be rebuilt event for event. The file uses WAL journaling and short transactions. While a run goes on, its
+run can be rebuilt event for event, and engines (one row per engine of a run: its label, drafting settings, output,
+metrics and comparison with the baseline). An N-way comparison has engines "baseline", "speculative",
+"speculative-2", ...; the runs table's baseline_* / speculative_* columns keep the first two, as they always did, so
+runs saved before the engines table existed (which have no rows there) read as before. The file uses WAL journaling and short transactions. While a run goes on, its
 new events are appended about once a second (`save_events`); the end of the run writes the rest and the summary.
 A process killed mid-run therefore leaves a readable database with the tokens the run had streamed, and the run is
 marked "interrupted" the next time the file is opened.
@@ -60,6 +63,11 @@ EVENT_TABLES = {  # the engines' events, one row each, keyed by run and engine
               "draft_ms": float, "verify_ms": float, "time_s": float, "drafter": str},
     "policy": {"run_id": str, "engine": str, "step": int, "action": str, "k": int, "reason": str, "time_s": float},
 }
+
+# One row per engine of a run (a database from an older version gains the table, empty: its runs' two engines are
+# in the runs table's columns). JSON in settings, metrics and comparison.
+ENGINE_COLUMNS = {"run_id": str, "engine": str, "label": str, "method": str, "settings": str, "output": str,
+                  "metrics": str, "comparison": str, "error": str}
 
 # The columns of the History tab's table: never the outputs, metrics or events, so that a page of a long history
 # reads a few kilobytes.
@@ -198,6 +206,8 @@ class History:
             self.db[table].create_index(["run_id", "engine", "seq"] if table == "tokens" else ["run_id"],
                                         if_not_exists=True)
         self.db.execute("DROP INDEX IF EXISTS idx_tokens_run_id")
+        self.db["engines"].create(ENGINE_COLUMNS, pk=("run_id", "engine"), foreign_keys=[("run_id", "runs", "id")],
+                                  if_not_exists=True)
 
     def _mark_interrupted(self) -> None:
         """Runs left 'running' by a process that is gone: 'interrupted', with the output they had streamed."""
@@ -215,6 +225,9 @@ class History:
                         "UPDATE runs SET status = 'interrupted', error = coalesce(error, ?), baseline_output = "
                         "coalesce(baseline_output, ?), speculative_output = coalesce(speculative_output, ?) WHERE id = ?",
                         [INTERRUPTED, outputs["baseline_output"], outputs["speculative_output"], run_id])
+                    for (engine,) in self.db.execute("SELECT engine FROM engines WHERE run_id = ?", [run_id]).fetchall():
+                        self.db.execute("UPDATE engines SET output = coalesce(output, ?) WHERE run_id = ? AND engine = ?",
+                                        [self._streamed_text(run_id, engine), run_id, engine])
         except sqlite3.OperationalError as e:  # a full disk: the history can still be read; marked at a later start
             log.warning("could not mark %d run(s) of ended processes as interrupted: %s", len(gone), e)
             return
@@ -227,18 +240,26 @@ class History:
 
     # --- writing ---------------------------------------------------------------------------------------------------
 
-    def start_run(self, **fields) -> str:
+    def start_run(self, engines: list[dict] | None = None, **fields) -> str:
+        """A new 'running' run; `engines`: who takes part (engine, label, method, settings), for the engines table."""
         run_id = uuid.uuid4().hex[:12]
         row = {"id": run_id, "created_at": now(), "status": "running", **owner(), **fields}
         if isinstance(row.get("settings"), dict):
             row["settings"] = json.dumps(row["settings"])
+        engine_rows = [{"run_id": run_id, **e, "settings": json.dumps(e.get("settings") or {})} for e in engines or []]
+
+        closing = dict(self.unsaved)
 
         def write():
             with self.db.atomic():
-                self._close_unsaved()
+                self._close_unsaved(closing)
                 self.db["runs"].insert(row)
+                if engine_rows:
+                    self.db["engines"].insert_all(engine_rows)
 
         self._write(write)
+        for unsaved_id in closing:  # only once the transaction that marks them is in (a full disk rolls it back)
+            self.unsaved.pop(unsaved_id, None)
         return run_id
 
     def save_events(self, saved: EventLog, results: dict[str, RunResult]) -> None:
@@ -256,9 +277,11 @@ class History:
         saved.saved(new, [])
 
     def finish_run(self, run_id: str, status: str, results: dict[str, RunResult], comparison: dict,
-                   error: str | None = None, saved: EventLog | None = None) -> None:
+                   error: str | None = None, saved: EventLog | None = None,
+                   comparisons: dict[str, dict] | None = None) -> None:
         """Store the summary and the events not saved yet (`saved`: what the run saved while it ran), in one
-        transaction."""
+        transaction. `comparisons`: each speculative engine against the baseline (for the engines table; the
+        main one's is `comparison`)."""
         saved = saved or EventLog(run_id)
         b, s = results.get("baseline"), results.get("speculative")
         update = {
@@ -279,10 +302,16 @@ class History:
             "nll_baseline": comparison.get("nll_baseline"), "nll_speculative": comparison.get("nll_speculative"),
         }
         new, changed = saved.pending(results, changes=True)
+        comparisons = {"speculative": comparison} | (comparisons or {})
+        engine_updates = [[r.output_text, json.dumps(r.metrics), json.dumps(comparisons.get(e)) if e in comparisons
+                           else None, r.error, run_id, e] for e, r in results.items()]
 
         def write():
             with self.db.atomic():
                 self.db["runs"].update(run_id, update)
+                # only engines that start_run named (a run saved without them keeps the runs table's columns)
+                self.db.conn.executemany("UPDATE engines SET output = ?, metrics = ?, comparison = ?, error = ? "
+                                         "WHERE run_id = ? AND engine = ?", engine_updates)
                 for table, rows in new.items():
                     self._insert(table, rows)
                 columns = [c for c in EVENT_TABLES["tokens"] if c not in ("run_id", "engine", "seq")]
@@ -300,7 +329,7 @@ class History:
 
         def write():
             with self.db.atomic():
-                for table in EVENT_TABLES:
+                for table in (*EVENT_TABLES, "engines"):
                     self.db.execute(f"DELETE FROM {table} WHERE run_id IN (SELECT value FROM json_each(?))", [ids])
                 self.db.execute("DELETE FROM runs WHERE id IN (SELECT value FROM json_each(?))", [ids])
 
@@ -312,13 +341,12 @@ class History:
             f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})",
             [[row.get(c) for c in columns] for row in rows])
 
-    def _close_unsaved(self) -> None:
+    def _close_unsaved(self, runs: dict[str, str]) -> None:
         """Runs whose saving failed earlier (the disk was full) stay 'running' in the file: once the file takes
         writes again, say what happened to them."""
-        for run_id, why in list(self.unsaved.items()):
+        for run_id, why in runs.items():
             self.db.execute("UPDATE runs SET status = 'interrupted', error = ? WHERE id = ? AND status = 'running'",
                             [f"the run was not saved completely: {why}", run_id])
-        self.unsaved.clear()
 
     def _write(self, fn, run_id: str | None = None) -> None:
         with self.lock:
@@ -362,28 +390,41 @@ class History:
         rows = list(self.db["runs"].rows_where("id = ?", [run_id]))
         return rows[0] if rows else None
 
+    def engines(self, run_id: str) -> dict[str, dict]:
+        """The engines table's rows of a run, in the run's order (engine -> row, JSON parsed); {} for a run saved
+        before the table existed."""
+        rows = self.db["engines"].rows_where("run_id = ?", [run_id], order_by="rowid")
+        return {r["engine"]: r | {k: json.loads(r[k]) if r[k] else None for k in ("settings", "metrics", "comparison")}
+                for r in rows}
+
     def results(self, run_id: str) -> dict[str, RunResult]:
-        """Rebuild both engines' RunResults from the stored events (of an interrupted run: what it had streamed,
-        with its metrics computed from that)."""
+        """Rebuild every engine's RunResult (baseline, speculative, speculative-2, ...) from the stored events (of an
+        interrupted run: what it had streamed, with its metrics computed from that)."""
         row = self.run(run_id)
         if row is None:
             return {}
+        engines = self.engines(run_id)
         out = {}
-        for engine in ("baseline", "speculative"):
+        for engine in dict.fromkeys(["baseline", "speculative", *engines]):
             tokens = [_token(t) for t in self.db["tokens"].rows_where("run_id = ? AND engine = ?", [run_id, engine],
                                                                       order_by="seq")]
-            if row.get(f"{engine}_metrics") is None and row.get(f"{engine}_output") is None and not tokens:
+            saved = engines.get(engine, {})
+            if engine in ("baseline", "speculative"):  # the runs table's columns, as every version wrote them
+                saved = {"output": row.get(f"{engine}_output"), "error": row.get(f"{engine}_error"),
+                         "metrics": json.loads(row.get(f"{engine}_metrics") or "null"),
+                         "method": row["method"] if engine == "speculative" else "none"}
+            if saved.get("metrics") is None and saved.get("output") is None and not tokens:
                 continue
-            r = RunResult(engine=engine, method=row["method"] if engine == "speculative" else "none", prompt_tokens=0)
+            r = RunResult(engine=engine, method=saved.get("method") or "", prompt_tokens=0)
             r.tokens = tokens
             r.steps = [_step(st) for st in
                        self.db["steps"].rows_where("run_id = ? AND engine = ?", [run_id, engine], order_by="rowid")]
             r.policy = [_policy(p) for p in
                         self.db["policy"].rows_where("run_id = ? AND engine = ?", [run_id, engine], order_by="rowid")]
-            r.output_text = row.get(f"{engine}_output") or ""
+            r.output_text = saved.get("output") or ""
             r.output_ids = [t.token_id for t in r.output_tokens]
-            r.metrics = json.loads(row.get(f"{engine}_metrics") or "{}")
-            r.error = row.get(f"{engine}_error")
+            r.metrics = saved.get("metrics") or {}
+            r.error = saved.get("error")
             if not r.metrics and (r.tokens or r.steps):  # never finished: measure what there is
                 r.total_s = max([t.time_s for t in r.tokens] + [s.time_s for s in r.steps])
                 r.metrics = run_metrics(r)

@@ -182,3 +182,32 @@ def figures_html(baseline: RunResult | None, speculative: RunResult | None, comp
     cells = "".join(f'<div class="fig{" headline" if k in HEADLINE else ""}"><div class="fig-label">{escape(k)}</div>'
                     f'<div class="fig-value">{v}</div></div>' for k, v in rows)
     return f'<div class="figures">{cells}</div><div class="exactness">{exact}</div>'
+
+
+def engines_html(results: dict[str, RunResult], labels: dict[str, str], comparisons: dict[str, dict],
+                 mode: str) -> str:
+    """An N-way run's figures, one row per engine (the baseline first): tokens/s, speedup, acceptance, mean accepted
+    length, TTFT and whether its greedy output is identical to the baseline's."""
+    rows = []
+    for engine, r in results.items():
+        m, c = r.metrics or {}, comparisons.get(engine, {})
+        if "identical" not in c:
+            same = "–"
+        elif c["identical"]:
+            same = '<span class="exact ok">✔ identical</span>'
+        elif c.get("first_divergence") is not None:
+            same = f'<span class="exact diverged">✖ diverges at token {c["first_divergence"]}</span>'
+        else:
+            same = "–"
+        cells = [escape(engine), escape(labels.get(engine, engine)), _fmt(m.get("tokens_per_s"), ".2f"),
+                 "–" if engine == "baseline" else _fmt(c.get("speedup"), ".2f", "×"),
+                 _fmt(m.get("acceptance_rate"), ".2f"), _fmt(m.get("mean_accepted_length"), ".2f"),
+                 _fmt(m.get("ttft_ms"), ".0f"), same]
+        rows.append(f'<tr data-engine="{escape(engine, quote=True)}">' + "".join(f"<td>{c}</td>" for c in cells)
+                    + "</tr>")
+    head = "".join(f"<th>{h}</th>" for h in ("engine", "configuration", "tokens/s", "speedup", "acceptance",
+                                            "mean accepted length", "TTFT ms", "greedy output"))
+    note = ("all engines ran at once, sharing the machine: each is slower than it would be alone" if mode == "race"
+            else "fair mode: the engines took turns, one target pass each; each was timed alone")
+    return (f'<table class="engines-table"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
+            f'<div class="fig-note">{escape(note)}</div>')

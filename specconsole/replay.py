@@ -73,24 +73,23 @@ def payload(history: History, run_id: str) -> dict:
     row = history.run(run_id)
     if row is None:
         raise UnknownRun(f"no run {run_id!r} in the history {history.path}")
-    results = history.results(run_id)
+    results = history.results(run_id)  # every engine, the baseline first
     comparison = json.loads(row.get("comparison") or "{}")
+    saved = history.engines(run_id)  # labels and per-engine comparisons of an N-way run (none for older runs)
     baseline = results.get("baseline")
     base_tps = baseline.metrics.get("tokens_per_s") if baseline else None
     engines = []
-    for name in ("baseline", "speculative"):  # later: more speculative engines, each with its own name
-        r = results.get(name)
-        if r is None:
-            continue
+    for name, r in results.items():
         m = r.metrics or {}
         tps = m.get("tokens_per_s")
         final = {"tokens_per_s": tps, "acceptance_rate": m.get("acceptance_rate"),
                  "mean_accepted_length": m.get("mean_accepted_length"),
                  "speedup": None if name == "baseline" else (tps / base_tps if tps and base_tps else None)}
-        if name == "speculative" and comparison.get("speedup") is not None:
-            final["speedup"] = comparison["speedup"]  # the figure the console showed for this run
+        shown = comparison if name == "speculative" else (saved.get(name, {}).get("comparison") or {})
+        if name != "baseline" and shown.get("speedup") is not None:
+            final["speedup"] = shown["speedup"]  # the figure the console showed for this run
         final = {k: v if v is None or math.isfinite(v) else None for k, v in final.items()}  # JSON has no NaN
-        engines.append(_engine(r, final))
+        engines.append(_engine(r, final) | {"label": saved.get(name, {}).get("label") or name})
     run = {k: row.get(k) for k in ("id", "created_at", "status", "error", "category", "prompt", "backend",
                                    "target_model", "draft_model", "method", "mode")}
     return {

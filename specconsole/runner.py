@@ -7,6 +7,11 @@ Two modes, shown and saved with every run:
   during a timed pass either.
 - race: both engines run at once in two threads, on wall-clock time, sharing the machine.
 
+An N-way comparison (issue 12) adds up to three more speculative engines, "speculative-2" .. "speculative-4", each
+with its own drafting settings and label (specconsole.variants). The first speculative engine keeps its name, so a
+two-engine run is exactly what it always was. Fair mode takes turns across all engines, one target pass each; race
+mode runs them all at once.
+
 While the run goes on, poll() appends the new events to the history about once a second (under `ui_lock`, so never
 during a timed pass), so that a killed console leaves what the run had streamed; the end of the run saves the rest.
 A write that fails (a full disk) is reported in `save_error`; the run itself goes on and stays on screen.
@@ -28,6 +33,7 @@ from engine.events import Event, PolicyEvent, Reclassified, RunResult, StepRecor
 from engine.metrics import compare, run_metrics
 from specconsole.history import EventLog, History, HistoryError
 from specconsole.machine import MachineLoad
+from specconsole.variants import MAX_EXTRA, Variant
 
 log = logging.getLogger(__name__)
 
@@ -86,12 +92,14 @@ class LiveRun:
     page and the history see the change by comparing kinds (render.PanelFeed, history.EventLog)."""
 
     def __init__(self, engine: str):
+        self.engine = engine
         self.result = RunResult(engine=engine, method="", prompt_tokens=0)
         self.finished = False
 
     def apply(self, event: Event) -> None:
         if isinstance(event, RunResult):
-            self.result, self.finished = event, True
+            # a backend names every speculative result "speculative": keep this engine's own name
+            self.result, self.finished = replace(event, engine=self.engine), True
             return
         if isinstance(event, Reclassified):
             event.apply(self.result.tokens)
@@ -113,19 +121,34 @@ class LiveRun:
         return self.result
 
 
-class Comparison:
-    """One request on both engines. start() returns at once; poll() drains the events that have arrived."""
+def extra_engine(i: int) -> str:
+    """The name of the i-th extra speculative engine (0-based): speculative-2, speculative-3, ..."""
+    return f"speculative-{i + 2}"
 
-    def __init__(self, backend, request, mode: str, history: History | None, meta: dict, first: str = "baseline"):
+
+class Comparison:
+    """One request on the baseline and the speculative engine(s). start() returns at once; poll() drains the events
+    that have arrived. `extra`: more speculative configurations (specconsole.variants.Variant), at most MAX_EXTRA."""
+
+    def __init__(self, backend, request, mode: str, history: History | None, meta: dict, first: str = "baseline",
+                 extra: list[Variant] | tuple = (), label: str | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if len(extra) > MAX_EXTRA:
+            raise ValueError(f"at most {MAX_EXTRA} extra speculative engines, got {len(extra)}")
         self.backend, self.request, self.mode, self.history = backend, request, mode, history
         self.meta = meta
+        self.engines = (*ENGINES, *[extra_engine(i) for i in range(len(extra))])
+        # each engine's own request (the extras differ in their drafting settings only) and its name on screen
+        self.requests = {"baseline": request, "speculative": request,
+                         **{extra_engine(i): v.request for i, v in enumerate(extra)}}
+        self.labels = {"baseline": "baseline", "speculative": label or request.method,
+                       **{extra_engine(i): v.label for i, v in enumerate(extra)}}
         # fair mode's turn order: suites alternate it between repeats, so that drift over time cancels
-        self.order = (first, *[e for e in ENGINES if e != first])
+        self.order = (first, *[e for e in self.engines if e != first])
         self.cancel = threading.Event()
         self.events: queue.Queue = queue.Queue()
-        self.live = {e: LiveRun(e) for e in ENGINES}
+        self.live = {e: LiveRun(e) for e in self.engines}
         self.run_id: str | None = None
         self.saved = False
         self.save_error: str | None = None
@@ -136,6 +159,7 @@ class Comparison:
         self.load: MachineLoad | None = None
         self.machine: dict = {}  # other processes' CPU use during the run, once it finished
         self.check: dict = {}  # the sampling check (engine.check), once both engines finished
+        self.extra_checks: dict[str, dict] = {}  # the same for each extra speculative engine
 
     # --- running ---------------------------------------------------------------------------------------------------
 
@@ -144,7 +168,8 @@ class Comparison:
         if self.history is not None:
             try:
                 self.run_id = self.history.start_run(mode=self.mode, settings=_settings(self.request),
-                                                     prompt=self.request.prompt, **self.meta)
+                                                     prompt=self.request.prompt, engines=self.engine_rows(),
+                                                     **self.meta)
                 self.saved_events = EventLog(self.run_id)
             except HistoryError as e:  # the run goes on, on screen only
                 self._save_failed(e)
@@ -155,17 +180,24 @@ class Comparison:
                                               name="specconsole-fair")]
         else:
             self._threads = [threading.Thread(target=self._race, args=(e,), daemon=True, name=f"specconsole-{e}")
-                             for e in ENGINES]
+                             for e in self.engines]
         for t in self._threads:
             t.start()
 
+    def engine_rows(self) -> list[dict]:
+        """Who takes part, for the history's engines table: name, label, method and drafting settings."""
+        methods = {"baseline": "none", "speculative": self.meta.get("method") or self.request.method}  # what ran
+        return [{"engine": e, "label": self.labels[e], "method": methods.get(e, self.requests[e].method),
+                 "settings": _settings(self.requests[e])} for e in self.engines]
+
     def _stream(self, engine: str, clock):
         stream = self.backend.baseline if engine == "baseline" else self.backend.speculative
-        return stream(self.request, self.cancel, clock)
+        return stream(self.requests[engine], self.cancel, clock)
 
     def _take_turns(self, until: type) -> None:
-        """Run one engine until it yields an event of type `until` (a pass, or the whole run), then the other."""
-        clocks = {e: EngineClock() for e in ENGINES}
+        """Run one engine until it yields an event of type `until` (a pass, or the whole run), then the next, in
+        turn across all engines; each engine's clock runs only during its own turn."""
+        clocks = {e: EngineClock() for e in self.engines}
         streams = {e: self._stream(e, clocks[e]) for e in self.order}
         while streams:
             for engine in list(streams):
@@ -221,11 +253,21 @@ class Comparison:
 
     @property
     def results(self) -> dict[str, RunResult]:
-        return {e: self.live[e].snapshot() for e in ENGINES}
+        return {e: self.live[e].snapshot() for e in self.engines}
 
     def comparison(self, results: dict[str, RunResult] | None = None) -> dict:
+        """The main speculative engine against the baseline (the two-engine figures)."""
         r = results or self.results
         return compare(r["baseline"], r["speculative"], self.request.sampling.greedy) | self.machine | self.check
+
+    def comparisons(self, results: dict[str, RunResult] | None = None) -> dict[str, dict]:
+        """Every speculative engine against the baseline: speedup, identical / first divergence, bounds, ..."""
+        r = results or self.results
+        out = {"speculative": self.comparison(r)}
+        for e in self.engines[2:]:
+            out[e] = (compare(r["baseline"], r[e], self.request.sampling.greedy) | self.machine
+                      | self.extra_checks.get(e, {}))
+        return out
 
     @property
     def status(self) -> str:
@@ -248,19 +290,22 @@ class Comparison:
         self._saved_at = time.monotonic()
         with self.ui_lock:  # fair mode: between two timed passes, like the page's own work
             try:
-                self.history.save_events(self.saved_events, {e: self.live[e].result for e in ENGINES})
+                self.history.save_events(self.saved_events, {e: self.live[e].result for e in self.engines})
             except HistoryError as e:  # tried again at the next save: nothing is counted as saved
                 self._save_failed(e)
 
     def _save(self) -> None:
         self.saved = True
-        self.check = sampling_check(self.backend, self.request, self.results)  # both finished: nothing is timed
+        results = self.results
+        self.check = sampling_check(self.backend, self.request, results)  # all finished: nothing is timed
+        for e in self.engines[2:]:
+            self.extra_checks[e] = sampling_check(self.backend, self.requests[e],
+                                                  {"baseline": results["baseline"], "speculative": results[e]})
         if self.history is None or self.saved_events is None:
             return
         try:
-            results = self.results
             self.history.finish_run(self.run_id, self.status, results, self.comparison(results), self.error,
-                                    saved=self.saved_events)
+                                    saved=self.saved_events, comparisons=self.comparisons(results))
             self.save_error = None  # a failed save during the run was made good: everything is in
         except Exception as e:  # noqa: BLE001 - never lose the on-screen result because the disk failed
             self._save_failed(e)

@@ -10,10 +10,10 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
-from specconsole.export import export_csv
+from specconsole.export import export_all as export_csv_files
 from specconsole.replay import UnknownRun, write_replay
 from specconsole.history import History, HistoryError
-from specconsole.render import figures_html, tokens_html
+from specconsole.render import engines_html, figures_html, tokens_html
 from specconsole.tab_run import figures_for, rolling_acceptance
 from specconsole.suites import categories
 
@@ -26,8 +26,9 @@ def _ids(selected: str | None) -> list[str]:
     return [i.strip() for i in (selected or "").split(",") if i.strip()]
 
 
-def view(results: dict, comparison: dict, mode: str, show_rejected: bool):
-    """HTML of both panels and the figures, from two RunResults rebuilt from the history."""
+def view(results: dict, comparison: dict, mode: str, show_rejected: bool, saved: dict | None = None):
+    """HTML of both panels and the figures, from the RunResults rebuilt from the history. An N-way run's extra
+    engines (`saved`: History.engines) follow the figures: the engines table, then a panel each."""
     b, s = results.get("baseline"), results.get("speculative")
     panels = []
     for r, engine in ((b, "baseline"), (s, "speculative")):
@@ -37,6 +38,17 @@ def view(results: dict, comparison: dict, mode: str, show_rejected: bool):
         note = f"{r.finish_reason} · {len(r.output_tokens)} tokens" if r.finish_reason else "running…"
         panels.append(tokens_html(r.tokens, show_rejected and engine == "speculative", r.error, note))
     figures = figures_html(b, s, comparison, mode, rolling_acceptance(s) if s else None)
+    extra = [e for e in results if e not in ("baseline", "speculative")]
+    if extra:
+        saved = saved or {}
+        labels = {e: (saved.get(e) or {}).get("label") or e for e in results}
+        comparisons = {"speculative": comparison} | {e: (saved.get(e) or {}).get("comparison") or {} for e in extra}
+        figures += engines_html(results, labels, comparisons, mode)
+        for e in extra:
+            r = results[e]
+            note = f"{r.finish_reason} · {len(r.output_tokens)} tokens" if r.finish_reason else "running…"
+            figures += (f'<div class="history-extra" data-engine="{escape(e, quote=True)}"><b>{escape(labels[e])}'
+                        f'</b> — {escape(e)}{tokens_html(r.tokens, show_rejected, r.error, note)}</div>')
     return panels[0], panels[1], figures
 
 
@@ -72,12 +84,14 @@ def build(history: History, tab: gr.Tab, show_rejected: gr.Checkbox, run_event) 
             return empty, empty, "", None, None, None, ""
         results = history.results(row["id"])
         comparison = json.loads(row["comparison"] or "{}")
-        html = view(results, comparison, row["mode"] or "", show_rejected)
+        saved = history.engines(row["id"])
+        html = view(results, comparison, row["mode"] or "", show_rejected, saved)
         info = (f"**{escape(row['status'])}** · {escape(row['created_at'] or '')} · {escape(row['category'] or '')} · "
                 f"method {escape(row['method'] or '')} · mode {escape(row['mode'] or '')}"
                 + (f" · error: {escape(row['error'])}" if row["error"] else "")
                 + f"\n\n> {escape((row['prompt'] or '')[:300])}")
-        return (*html, *figures_for(results), info)
+        labels = {e: engine["label"] for e, engine in saved.items()}
+        return (*html, *figures_for(results, labels), info)
 
     def delete_runs(selected, category, page):
         ids = _ids(selected)
@@ -95,7 +109,7 @@ def build(history: History, tab: gr.Tab, show_rejected: gr.Checkbox, run_event) 
             gr.Warning("Select runs in the table first (click a row), or export the whole history.")
             return None
         out = Path(tempfile.mkdtemp(prefix="specconsole-export-"))
-        return [str(p) for p in export_csv(history, out, ids)]
+        return [str(p) for p in export_csv_files(history, out, ids)]
 
     def replays(selected):
         """One self-contained HTML file per selected run, replaying it offline at its recorded timing."""

@@ -1,5 +1,9 @@
 """The Run tab: one prompt on both engines, streamed side by side into two live panels, the figures and charts.
 
+"Compare with" adds up to three more speculative configurations (specconsole.variants.PRESETS) to the run: each
+gets a live panel of its own (pre-built, hidden until used), a row in the engines table under the figures and a
+trace in each chart. With none chosen the page is the two-engine page it always was.
+
 Its drafting settings are shared with the Workbench (RunSettings). Settings the backend does not apply per request
 (vLLM: the speculative server's config) are greyed out and say who sets them, once the backend is known."""
 
@@ -24,9 +28,10 @@ from engine.vllm_config import METHODS as VLLM_METHODS, speculative_config
 from specconsole import charts
 from specconsole.history import History
 from specconsole.host import ModelHost
-from specconsole.render import PanelFeed, figures_html, legend_html, panel_notice
-from specconsole.runner import ENGINES, MODES, Comparison, run_meta
+from specconsole.render import PanelFeed, engines_html, figures_html, legend_html, panel_notice
+from specconsole.runner import ENGINES, MODES, Comparison, extra_engine, run_meta
 from specconsole.suites import categories, load_suite
+from specconsole.variants import MAX_EXTRA, PRESETS, from_presets, label_of
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +47,7 @@ QUEUED = ("Queued behind another run: runs go one at a time, because the timings
 ONE_AT_A_TIME = ("Runs go one at a time (also across browser tabs): the timings of concurrent runs would share the "
                  "CPU, so a second Run waits for the first.")
 METHOD_LABEL = "Drafting method"
+EXTRA_ENGINES = [extra_engine(i) for i in range(MAX_EXTRA)]  # speculative-2 .. speculative-4: one hidden panel each
 
 
 @dataclass
@@ -71,9 +77,30 @@ def rolling_acceptance(result, window: int = 8) -> float | None:
     return sum(s.accepted for s in steps) / drafted if drafted else None
 
 
-def figures_for(results: dict):
+def figures_for(results: dict, labels: dict | None = None):
+    """The three charts; extra speculative engines (an N-way run) add a trace each, named by `labels`."""
     b, s = results.get("baseline"), results.get("speculative")
-    return charts.acceptance_per_step(s), charts.per_position(s), charts.tokens_over_time(b, s)
+    others = {(labels or {}).get(e, e): r for e, r in results.items() if e not in ENGINES}
+    return (charts.acceptance_per_step(s, others), charts.per_position(s, others),
+            charts.tokens_over_time(b, s, others))
+
+
+def outputs_of(panels=(), figures=None, plots=None, layout=None) -> tuple:
+    """One update of the Run tab's outputs, in their order: the live panels (baseline, speculative, then the
+    extra ones), the extra panels' columns and headings (`layout`), the figures and the three charts. What is not
+    given stays as it is."""
+    panels = [gr.skip() if p is None else p for p in panels]
+    panels += [gr.skip()] * (len(ENGINES) + MAX_EXTRA - len(panels))
+    layout = layout or [gr.skip()] * (2 * MAX_EXTRA)
+    return (*panels, *layout, gr.skip() if figures is None else figures, *(plots or (gr.skip(),) * 3))
+
+
+def extra_layout(labels: list[str]) -> list:
+    """Show one extra panel per extra engine (headed by its label), hide the rest."""
+    columns = [gr.update(visible=i < len(labels)) for i in range(MAX_EXTRA)]
+    headings = [gr.update(value=f"**{escape(labels[i])}** — speculative configuration {i + 2}")
+                if i < len(labels) else gr.skip() for i in range(MAX_EXTRA)]
+    return [*columns, *headings]
 
 
 def live_panel(elem_id: str) -> gr.HTML:
@@ -110,7 +137,7 @@ def backend_view(host: ModelHost) -> list:
 
 def _stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
     """The run's updates, throttled (PANEL_EVERY_S, FIGURES_EVERY_S, CHART_EVERY_S), until it ends."""
-    feeds = {e: PanelFeed(panel_run, show_rejected and e == "speculative") for e in ENGINES}
+    feeds = {e: PanelFeed(panel_run, show_rejected and e != "baseline") for e in comp.engines}
     last_panel = last_figures = last_chart = 0.0
     while True:
         done = comp.poll(timeout=PANEL_EVERY_S)
@@ -122,16 +149,18 @@ def _stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
         with comp.ui_lock:  # in fair mode: never while an engine's pass is being timed
             results = comp.results
             panels = [feeds[e].message(results[e].tokens, _panel_note(results[e]), results[e].error,
-                                       final=done) for e in ENGINES]
+                                       final=done) for e in comp.engines]
             if figures_due:
                 s = results["speculative"]
                 figures = figures_html(results["baseline"], s, comp.comparison(results), mode,
-                                       rolling_acceptance(s)) + _save_note(comp)
-            plots = figures_for(results) if chart_due else (gr.skip(),) * 3
+                                       rolling_acceptance(s))
+                if len(comp.engines) > len(ENGINES):  # an N-way run: every engine's figures, in one table
+                    figures += engines_html(results, comp.labels, comp.comparisons(results), mode)
+                figures += _save_note(comp)
+            plots = figures_for(results, comp.labels) if chart_due else None
         last_panel = now
         last_figures, last_chart = (now if figures_due else last_figures), (now if chart_due else last_chart)
-        yield (*[gr.skip() if p is None else p for p in panels], figures if figures_due else gr.skip(),
-               *plots)
+        yield outputs_of(panels, figures if figures_due else None, plots)
         if done:
             break
 
@@ -141,42 +170,53 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
     queued: dict[str, threading.Event] = {}  # session -> set by Stop while its run waits for another one
 
     def run(prompt, category, method, k, dynamic_k, confidence, fallback, temperature, top_p, max_new, seed, mode,
-            show_rejected, request: gr.Request):
+            show_rejected, compare_with, request: gr.Request):
         session = request.session_hash if request else "local"
         panel_run = uuid.uuid4().hex[:8]  # tells the page's panels that a new run starts
         if not host.ready:
             msg = host.status() if host.error else f"{host.status()}. Press Run again when the models are ready."
-            yield panel_notice(panel_run, msg), panel_notice(panel_run, msg), "", gr.skip(), gr.skip(), gr.skip()
+            yield outputs_of([panel_notice(panel_run, msg)] * 2, "")
             return
         try:
             req = build_request(prompt, max_new_tokens=max_new, temperature=temperature, top_p=top_p, seed=seed,
                                 method=method, k=k, dynamic_k=dynamic_k, draft_confidence=confidence,
                                 fallback=fallback)
             host.backend.validate(req)  # before anything runs or is saved
+            extra = from_presets(req, compare_with)
+            if extra and not host.backend.capabilities.per_request_drafting:
+                raise SettingsError("Compare with needs a backend that takes drafting settings per run (the local "
+                                    "one): this backend's speculative server has one fixed configuration")
+            for v in extra:
+                host.backend.validate(v.request)
         except (SettingsError, ModelError, ValueError) as e:
             msg = str(e)
-            yield panel_notice(panel_run, msg), panel_notice(panel_run, msg), "", gr.skip(), gr.skip(), gr.skip()
+            yield outputs_of([panel_notice(panel_run, msg)] * 2, "")
             return
+        layout = extra_layout([v.label for v in extra])
         # One comparison at a time (the Run button allows several handlers so that a waiting one can say so): two
         # at once would share the CPU, and the timings of both would be wrong.
         if not host.lock.acquire(blocking=False):
             stopped = queued[session] = threading.Event()
             note = PanelFeed(panel_run).message([], QUEUED)
-            yield note, note, f'<div class="status-line">{escape(QUEUED)}</div>', gr.skip(), gr.skip(), gr.skip()
+            yield outputs_of([note] * (2 + len(extra)), f'<div class="status-line">{escape(QUEUED)}</div>',
+                             layout=layout)
             try:
                 while not host.lock.acquire(timeout=1.0):
                     if stopped.is_set():
                         note = PanelFeed(panel_run).message([], "Stopped before it started.")
-                        yield note, note, "", gr.skip(), gr.skip(), gr.skip()
+                        yield outputs_of([note] * (2 + len(extra)), "")
                         return
-                    yield (gr.skip(),) * 6  # gives gradio the chance to drop the run of a page that was closed
+                    yield outputs_of()  # gives gradio the chance to drop the run of a page that was closed
             finally:
                 queued.pop(session, None)
         try:
-            comp = Comparison(host.backend, req, mode, history, run_meta(host.backend, req) | {"category": category})
+            label = label_of({"method": method} | ({"dynamic_k": True} if dynamic_k else {"k": int(k)}), method)
+            comp = Comparison(host.backend, req, mode, history, run_meta(host.backend, req) | {"category": category},
+                              extra=extra, label=label)
             active[session] = comp
             comp.start()
             try:
+                yield outputs_of(layout=layout)  # the extra panels this run uses, and no others
                 yield from _stream(comp, panel_run, mode, show_rejected)
             finally:
                 comp.cancel.set()  # a closed tab or an error must not leave the engines running
@@ -260,8 +300,13 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
                 seed = gr.Number(value=DEFAULT_SEED, precision=0, label="Seed")
             with gr.Row():
                 mode = gr.Radio(list(MODES), value="fair", label="Mode",
-                                info="fair: engines take turns, each timed alone; race: both at once")
+                                info="fair: engines take turns, each timed alone; race: all engines at once, "
+                                     "sharing the machine (so each runs slower than it would alone)")
                 show_rejected = gr.Checkbox(value=True, label="Show rejected drafts")
+            compare_with = gr.CheckboxGroup(
+                list(PRESETS), value=[], label="Compare with", elem_id="compare-with",
+                info=f"up to {MAX_EXTRA} more speculative configurations in the same run (same prompt and "
+                     "sampling), each in a panel of its own; local backend only")
     with gr.Row():
         gr.HTML(legend_html())
         # assets/presenter.js: switches the page's layout only, so a run goes on across the switch
@@ -274,6 +319,14 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
         with gr.Column():
             gr.Markdown("**Speculative** — draft proposes, target verifies")
             spec_panel = live_panel("speculative-panel")
+    # the extra engines of an N-way run (Compare with): built now, shown by the run that uses them
+    extra_columns, extra_headings, extra_panels = [], [], []
+    with gr.Row(equal_height=True):
+        for engine in EXTRA_ENGINES:
+            with gr.Column(visible=False) as column:
+                extra_headings.append(gr.Markdown(f"**{engine}**"))
+                extra_panels.append(live_panel(f"{engine}-panel"))
+            extra_columns.append(column)
     figures = gr.HTML("", elem_id="figures")
     empty = figures_for({})  # also loads plotly's templates now rather than during the first run
     with gr.Row(elem_classes="present-hide"):
@@ -284,8 +337,10 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
     # --- events ----------------------------------------------------------------------------------------------------
 
     inputs = [prompt, category, method, k, dynamic_k, confidence, fallback, temperature, top_p, max_new, seed, mode,
-              show_rejected]
-    outputs = [base_panel, spec_panel, figures, chart_steps, chart_pos, chart_tokens]
+              show_rejected, compare_with]
+    # in outputs_of()'s order
+    outputs = [base_panel, spec_panel, *extra_panels, *extra_columns, *extra_headings, figures, chart_steps,
+               chart_pos, chart_tokens]
     # no progress overlay: its animation would cost the browser CPU during the very run it shows
     # up to 4 handlers: one runs, the others wait in run() for host.lock and say that they are queued
     run_event = run_btn.click(run, inputs, outputs, concurrency_limit=4, concurrency_id="runs", show_progress="hidden")

@@ -311,3 +311,33 @@ def test_workbench_suite_advice_and_csv(console, page, tmp_path):
     assert categories.loc[0, "speedup_low"] <= categories.loc[0, "speedup"] <= categories.loc[0, "speedup_high"]
     assert page.locator("#suite-files a[download$='.html']").count() == 1
     page.screenshot(path=str(ARTIFACTS / "workbench.png"), full_page=True)
+
+
+def test_nway_comparison_fills_a_panel_per_engine(console, page):
+    """Compare with one more configuration: a 3-way run (baseline, n-gram with dynamic K, n-gram with K = 2 fixed)
+    fills three panels and the engines table, draws a line per engine, and leaves the unused panels hidden."""
+    from playwright.sync_api import expect
+
+    url, _ = console
+    open_console(page, url)
+    page.fill("#prompt textarea", 'Repeat exactly: {"name": "Ada", "city": "London", "langs": ["en", "fr"]}')
+    for field, value in (("#temperature", "0"), ("#max-new", "24")):
+        box = page.locator(f"{field} input[type=number]")
+        box.fill(value)
+        box.press("Enter")
+    expect(page.locator("#speculative-2-panel")).to_be_hidden()
+    page.locator("#compare-with label", has_text="n-gram K=2 fixed").click()
+    page.click("#run")
+    for panel in ("#baseline-panel", "#speculative-panel", "#speculative-2-panel"):
+        page.wait_for_selector(f"{panel} .panel-status:has-text('tokens')", timeout=180_000)
+    page.wait_for_selector("#figures:has-text('machine during the run')", timeout=60_000)
+    assert page.locator("#speculative-2-panel .tok.accepted, #speculative-2-panel .tok.bonus, "
+                        "#speculative-2-panel .tok.recovered").count() > 0
+    expect(page.locator("#speculative-3-panel")).to_be_hidden()
+    expect(page.locator("#speculative-4-panel")).to_be_hidden()
+    rows = page.locator("#figures .engines-table tbody tr")
+    expect(rows).to_have_count(3)
+    assert "n-gram K=2" in rows.nth(2).inner_text() and "identical" in rows.nth(2).inner_text()
+    expect(page.locator("#chart-tokens g.trace.scatter")).to_have_count(3, timeout=30_000)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "console-nway.png"), full_page=True)
