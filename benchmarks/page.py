@@ -139,11 +139,11 @@ def _latest_run(db: Path) -> dict:
 def api_phase(args) -> list[dict]:
     from engine.local_backend import LocalBackend
     from engine.models import PRESETS
-    from specconsole.app import request_from
+    from engine.request import build_request
     from specconsole.runner import Comparison
 
     backend = LocalBackend.from_preset(args.preset)
-    req = request_from(PROMPT, args.max_new_tokens, 0.0, 1.0, 0, PRESETS[args.preset].method, 4, True, 0.4, False)
+    req = build_request(PROMPT, max_new_tokens=args.max_new_tokens, method=PRESETS[args.preset].method)  # the page's defaults
     runs = []
     for i in range(args.runs + 1):
         comp = Comparison(backend, req, "fair", None, {})
