@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from engine.local_backend import LocalBackend
-from engine.request import Request
+from engine.request import METHODS, Request
 from engine.events import RunResult
 from engine.metrics import compare, first_divergence
 from engine.models import PRESETS, encode_prompt
@@ -252,6 +252,7 @@ def main(argv=None) -> int:
     p.add_argument("--limit-prompts", type=int, help="quick run: at most N prompts per suite / in-repo category")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--method", choices=METHODS, help="our drafting method (default: the preset's)")
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--fixed-k", action="store_true", help="constant K instead of dynamic K")
     p.add_argument("--confidence", type=float, default=0.4, help="draft stops below this probability (0 = off)")
@@ -269,7 +270,7 @@ def main(argv=None) -> int:
         return 2
     backend = LocalBackend.from_preset(args.preset, strict=args.strict)
     counter = PassCounter(backend.target.model)
-    method = PRESETS[args.preset].method
+    method = args.method or PRESETS[args.preset].method
     with_hf = backend.draft is not None
     if with_hf:
         dg = backend.draft.model.generation_config
@@ -312,7 +313,7 @@ def main(argv=None) -> int:
     repeats = f"{args.repeats} repeat{'s' if args.repeats != 1 else ''}"
     repeats += " (interrupted: fewer for some prompts)" if interrupted else ""
     out.write(f"\nPrompts: {describe_prompts(plan, args.sample_seed)}; {repeats}, engine order reversed "
-              f"on odd repeats; greedy; {args.max_new_tokens} new tokens; preset {args.preset} ({kind}, confidence "
+              f"on odd repeats; greedy; {args.max_new_tokens} new tokens; preset {args.preset} (method {method}, {kind}, confidence "
               f"floor {args.confidence}); machine: {machine()}; {datetime.date.today().isoformat()}.\n\n")
     out.write(table(rows) + "\n\n")
     out.write("Per prompt the median over repeats of within-repeat figures; per row the median over prompts, with "

@@ -88,3 +88,12 @@ def free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+def run_to_end(comp):
+    """Start a specconsole.runner.Comparison and poll it until both engines finished (about 150 s at most)."""
+    comp.start()
+    for _ in range(3000):
+        if comp.poll(timeout=0.05):
+            return comp
+    raise AssertionError("the comparison did not finish")

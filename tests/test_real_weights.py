@@ -10,7 +10,7 @@ from engine.local_backend import LocalBackend
 from engine.request import Request
 from engine.events import RunResult, TokenKind
 from engine.metrics import compare
-from engine.models import LoadedModel, load
+from engine.models import load
 from engine.sampling import SamplingParams
 from engine.weights import SOURCES, cache_dir, dequantized_dir
 from tests.conftest import CPU

@@ -14,6 +14,7 @@ from engine.request import Request
 from specconsole.history import History
 from specconsole.replay import UnknownRun, payload, replay_html, write_replay
 from specconsole.runner import Comparison
+from tests.conftest import run_to_end
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
@@ -88,14 +89,6 @@ def test_unknown_run_and_cli(tmp_path, caplog):
 
 
 # --- a real run, replayed in Chromium --------------------------------------------------------------------------
-
-
-def run_to_end(comp: Comparison) -> Comparison:
-    comp.start()
-    for _ in range(3000):
-        if comp.poll(timeout=0.05):
-            return comp
-    raise AssertionError("the comparison did not finish")
 
 
 @pytest.fixture(scope="module")
