@@ -73,10 +73,15 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-method", default="ngram", help="ngram, draft_model, eagle, eagle3, medusa, mtp, suffix")
     p.add_argument("--vllm-draft", help="draft model path for draft_model / eagle / medusa")
     p.add_argument("--vllm-k", type=int, default=4, help="num_speculative_tokens")
-    p.add_argument("--vllm-memory", default="0.45,0.45", help="GPU memory share of the baseline,speculative servers")
+    p.add_argument("--vllm-memory", help="GPU memory share of each managed server, baseline first (default 0.45,0.45 "
+                                         "for two servers, else 0.9 split evenly)")
     p.add_argument("--vllm-max-model-len", type=int, default=2048)
     p.add_argument("--vllm-ports", default="8101,8102", help="ports of the managed baseline,speculative servers")
-    p.add_argument("--vllm-attach", help="BASELINE_URL,SPECULATIVE_URL of servers that are already running")
+    p.add_argument("--vllm-attach", help="BASELINE_URL,SPECULATIVE_URL[,SPECULATIVE_URL...] of servers that are "
+                                         "already running (up to three extra speculative ones: an N-way comparison)")
+    p.add_argument("--vllm-compare", help="N-way: one more speculative server per config, e.g. ngram:k=2,ngram:k=6 "
+                                          "(method[:k=N][:draft=PATH], up to 3); managed: started after the others, "
+                                          "on the ports after --vllm-ports; attached: what the extra URLs run")
     p.add_argument("--vllm-api-key-env", default="VLLM_API_KEY", help="environment variable with the API key")
 
 
@@ -105,7 +110,7 @@ def demo(args) -> int:
             return 2
         backend = host.backend
         req = build_request(args, args.prompt, host.method)
-        if args.compare:
+        if args.compare or backend.variants():  # vLLM with extra servers: all of them, side by side
             return _demo_compare(backend, req, args.compare)
         backend.validate(req)  # before printing anything
         results = {engine: _stream_to_terminal(backend, engine, req) for engine in ("baseline", "speculative")}
@@ -117,24 +122,31 @@ def demo(args) -> int:
         host.close()
 
 
-def _demo_compare(backend, base, spec: str) -> int:
-    """`demo --compare`: the baseline, then each configuration of `spec` (specconsole.variants.parse_compare), one
-    after the other, streamed; then one table: engine, label, tokens/s, speedup, acceptance, identical."""
+def _demo_compare(backend, base, spec: str | None) -> int:
+    """`demo --compare`: the baseline, then each configuration of `spec` (specconsole.variants.parse_compare), or on
+    vLLM each speculative server, one after the other, streamed; then one table: engine, label, tokens/s, speedup,
+    acceptance, identical."""
     from engine.metrics import compare
     from specconsole.runner import extra_engine
-    from specconsole.variants import parse_compare
+    from specconsole.variants import Variant, parse_compare, served
 
     from engine.sampling import SettingsError
 
-    if not backend.capabilities.per_request_drafting:
+    if backend.capabilities.fixed_variants:
+        if spec:
+            raise SettingsError("--compare sets drafting per run, which vLLM servers do not take: start one "
+                                "speculative server per config with --vllm-compare ngram:k=2,ngram:k=6")
+        variants = [Variant(f"vLLM {backend.describe()['method']}", base), *served(backend, base)]
+    elif not backend.capabilities.per_request_drafting:
         raise SettingsError("--compare needs a backend that takes drafting settings per run (--backend local)")
-    variants = parse_compare(spec, base)
+    else:
+        variants = parse_compare(spec, base)
     engines = {"speculative": variants[0], **{extra_engine(i): v for i, v in enumerate(variants[1:])}}
     for v in variants:  # every configuration can be served before anything is printed (a missing draft model)
         backend.validate(v.request)
     results = {"baseline": _stream_to_terminal(backend, "baseline", base)}
     for engine, v in engines.items():
-        results[engine] = _stream_to_terminal(backend, engine, v.request, v.label)
+        results[engine] = _stream_to_terminal(backend, engine, v.request, v.label, v.server)
     greedy = base.sampling.greedy
     rows = [("engine", "label", "tokens/s", "speedup", "acceptance", "identical")]
     for engine, r in results.items():
@@ -150,14 +162,18 @@ def _demo_compare(backend, base, spec: str) -> int:
     return 0
 
 
-def _stream_to_terminal(backend, engine: str, req, label: str | None = None):
+def _stream_to_terminal(backend, engine: str, req, label: str | None = None, server: str | None = None):
     from dataclasses import replace
 
     from engine.events import Reclassified, RunResult, TokenEvent
 
     out, result, tokens = sys.stdout, None, []
     out.write(f"\n== {engine}{f' ({label})' if label else ''} ==\n")
-    for event in (backend.baseline if engine == "baseline" else backend.speculative)(req):
+    if engine == "baseline":
+        events = backend.baseline(req)
+    else:  # `server`: which of the backend's own speculative engines (vLLM: an extra server)
+        events = backend.speculative(req, engine=server) if server else backend.speculative(req)
+    for event in events:
         if isinstance(event, TokenEvent):
             tokens.append(replace(event))
             if not out.isatty():
@@ -220,23 +236,36 @@ def local_host(args):
 
 def vllm_host(args):
     from engine.models import resolve
-    from engine.vllm_backend import VLLMBackend
-    from engine.vllm_config import speculative_config
-    from engine.vllm_server import has_gpu
+    from engine.vllm_backend import MAX_EXTRA, VLLMBackend
+    from engine.vllm_config import parse_configs, speculative_config
+    from engine.vllm_server import VLLMError, has_gpu
     from specconsole.host import ModelHost
 
     api_key = os.environ.get(args.vllm_api_key_env) or None
+    try:
+        extra = parse_configs(args.vllm_compare or "", args.vllm_k)
+    except VLLMError as e:
+        raise SystemExit(str(e)) from e
+    if len(extra) > MAX_EXTRA:
+        raise SystemExit(f"--vllm-compare takes at most {MAX_EXTRA} configs, got {len(extra)}")
     if args.vllm_attach:
         urls = args.vllm_attach.split(",")
-        if len(urls) != 2:
-            raise SystemExit("--vllm-attach takes BASELINE_URL,SPECULATIVE_URL")
+        if not 2 <= len(urls) <= 2 + MAX_EXTRA:
+            raise SystemExit(f"--vllm-attach takes BASELINE_URL,SPECULATIVE_URL and up to {MAX_EXTRA} more "
+                             "speculative URLs")
+        if extra and len(extra) != len(urls) - 2:
+            raise SystemExit(f"--vllm-compare describes {len(extra)} servers, --vllm-attach has {len(urls) - 2} extra")
         # n-gram drafting: --vllm-k says what the attached speculative server runs, which places the steps without
-        # drafts (checked against the server's own counts)
+        # drafts (checked against the server's own counts); --vllm-compare says the same of the extra ones
         hint = speculative_config("ngram", args.vllm_k) if args.vllm_method == "ngram" else None
-        return ModelHost(f"vLLM servers at {urls[0]} and {urls[1]}",
-                         lambda progress: VLLMBackend.attach(*urls, api_key, speculative=hint))
+        pairs = list(zip(urls[2:], extra or [None] * (len(urls) - 2)))
+        return ModelHost(f"vLLM servers at {', '.join(urls)}",
+                         lambda progress: VLLMBackend.attach(*urls[:2], api_key, speculative=hint, extra=pairs))
     preset = preset_of(args)
-    split = tuple(float(x) for x in args.vllm_memory.split(","))
+    n = 2 + len(extra)
+    split = tuple(float(x) for x in args.vllm_memory.split(",")) if args.vllm_memory else None
+    if split and len(split) != n:
+        raise SystemExit(f"--vllm-memory needs one share per server ({n}), got {args.vllm_memory!r}")
     spec = speculative_config(args.vllm_method, args.vllm_k, args.vllm_draft)
     try:
         ports = tuple(int(x) for x in args.vllm_ports.split(","))
@@ -248,10 +277,15 @@ def vllm_host(args):
     def factory(progress):
         model = str(resolve(args.target or preset.target, progress))  # vLLM needs a model directory
         return VLLMBackend.managed(model, spec, python=args.vllm_python, memory_split=split, ports=ports,
-                                   on_progress=progress, max_model_len=args.vllm_max_model_len)
+                                   on_progress=progress, max_model_len=args.vllm_max_model_len, extra=extra)
 
-    placement = f"GPU memory {split[0]:.2f}/{split[1]:.2f}" if has_gpu() else "one CPU core each"
-    return ModelHost(f"vLLM (managed: {placement}), speculative config {spec}", factory, "draft")
+    if has_gpu():
+        placement = "GPU memory " + "/".join(f"{x:.2f}" for x in split or ((0.45, 0.45) if n == 2 else (0.9 / n,) * n))
+    else:  # more servers than cores: VLLMBackend.managed wraps the cores around, and fair mode takes turns
+        cores = os.cpu_count() or 1
+        placement = "one CPU core each" + (f" (cores wrap around: {n} servers on {cores} cores)" if n > cores else "")
+    configs = f"speculative config {spec}" + "".join(f", {c}" for c in extra)
+    return ModelHost(f"vLLM (managed: {placement}), {configs}", factory, "draft")
 
 
 def console(args) -> int:

@@ -34,6 +34,9 @@ class Capabilities:
     # how fair mode is fair: "alternate" (one target pass each, in turns), "sequential" (one whole run, then the
     # other) or "parallel" (both at once, because each engine owns its cores or GPU share)
     fair_strategy: str = "alternate"
+    # the extra speculative engines of an N-way run are the backend's own (vLLM: one server per drafting config,
+    # listed by variants()), not drafting settings the console chooses per request
+    fixed_variants: bool = False
 
 
 @runtime_checkable
@@ -51,10 +54,16 @@ class Backend(Protocol):
                  ) -> Iterator[Event]:
         """Target only. TokenEvents as they are committed, then one RunResult (also after cancel or an error)."""
 
-    def speculative(self, req: Request, cancel: threading.Event | None = None, clock: Clock = time.perf_counter
-                    ) -> Iterator[Event]:
+    def speculative(self, req: Request, cancel: threading.Event | None = None, clock: Clock = time.perf_counter,
+                    engine: str = "speculative") -> Iterator[Event]:
         """Draft and verify. Token, step and policy events (a backend that learns the kinds only at the end streams
-        pending or provisional tokens and then one Reclassified), then one RunResult."""
+        pending or provisional tokens and then one Reclassified), then one RunResult. `engine` picks which of the
+        backend's own speculative engines serves it (a key of variants(), or the main "speculative")."""
+
+    def variants(self) -> dict[str, dict]:
+        """The extra speculative engines this backend serves itself, engine name -> {"label", "method"}
+        ("speculative-2" -> {"label": "vLLM ngram K=2", "method": "ngram"}); empty where the extras are drafting
+        settings of the request (capabilities.fixed_variants says which)."""
 
     def score(self, req: Request, outputs: list[list[int]]) -> list[list[float]]:
         """Log-probability of each output token under the target (temperature 1), for the sampling check."""

@@ -50,6 +50,9 @@ class LocalBackend:
         target = load(preset.target, "target", dev, strict=strict, on_progress=on_progress)
         return cls(target, draft)
 
+    def variants(self) -> dict[str, dict]:
+        return {}  # the extras of an N-way run are the page's presets (specconsole.variants), served per request
+
     def describe(self) -> dict:
         return {"backend": "local", "target_model": self.target.name,
                 "draft_model": self.draft.name if self.draft else None}
@@ -115,7 +118,9 @@ class LocalBackend:
         prompt = self.prompt_ids(req)
         return score_outputs(self.target.model, prompt, outputs)
 
-    def speculative(self, req: Request, cancel: threading.Event | None = None, clock=time.perf_counter) -> Iterator[Event]:
+    def speculative(self, req: Request, cancel: threading.Event | None = None, clock=time.perf_counter,
+                    engine: str = "speculative") -> Iterator[Event]:
+        # `engine` names no server here: an N-way run's extra engines differ in the request's drafting settings
         ids = self.prompt_ids(req)
         t = self.target
         if req.method == "ngram":

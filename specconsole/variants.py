@@ -3,7 +3,8 @@ MAX_EXTRA more, each with its own drafting settings and a label ("n-gram", "draf
 
 A variant changes only the drafting settings of the main request (engine.backend.DRAFTING_SETTINGS): prompt,
 sampling and max new tokens stay the same, so every engine answers the same question. The page offers PRESETS;
-`launch.py demo --compare draft,ngram:k=3` spells them on the command line (parse_compare).
+`launch.py demo --compare draft,ngram:k=3` spells them on the command line (parse_compare). A backend whose
+speculative engines are servers with a fixed config (vLLM) serves its own variants instead (served()).
 """
 
 from __future__ import annotations
@@ -19,9 +20,20 @@ METHOD_LABELS = {"draft": "draft", "ngram": "n-gram", "hybrid": "hybrid"}
 
 @dataclass(frozen=True)
 class Variant:
-    """One more speculative engine: what the page and the terminal call it, and the request it serves."""
+    """One more speculative engine: what the page and the terminal call it, and the request it serves. `server`:
+    which of the backend's own speculative engines serves it (vLLM: "speculative-2", one server per config), or None
+    where the request's drafting settings say how to draft (local)."""
     label: str
     request: Request
+    server: str | None = None
+    method: str | None = None  # what the server drafts with, where the request's method does not apply
+
+
+def served(backend, base: Request, labels: list[str] | None = None) -> list[Variant]:
+    """The extra speculative engines a backend serves itself (capabilities.fixed_variants: vLLM's extra servers),
+    all of them or those whose labels are in `labels`; each answers the same request."""
+    return [Variant(v["label"], base, engine, v["method"]) for engine, v in backend.variants().items()
+            if labels is None or v["label"] in labels]
 
 
 # The page's "Compare with" choices: label -> the drafting settings that differ from the main request.

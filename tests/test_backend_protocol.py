@@ -14,8 +14,8 @@ MEMBERS = [name for name, value in vars(Backend).items() if inspect.isfunction(v
 
 
 def test_the_protocol_names_what_callers_use():
-    assert {"validate", "ignored_settings", "baseline", "speculative", "score", "describe", "memory", "reconfigure",
-            "throughput", "close"} <= set(MEMBERS)
+    assert {"validate", "ignored_settings", "baseline", "speculative", "variants", "score", "describe", "memory",
+            "reconfigure", "throughput", "close"} <= set(MEMBERS)
 
 
 @pytest.mark.parametrize("cls", [LocalBackend, VLLMBackend])
@@ -30,6 +30,7 @@ def test_capabilities_and_isinstance(backend):
     assert isinstance(backend, Backend)
     caps = backend.capabilities
     assert caps.knows_rejected and caps.per_request_drafting and not caps.can_reconfigure
+    assert not caps.fixed_variants and backend.variants() == {}  # N-way extras are the request's drafting settings
     assert backend.ignored_settings(Request(prompt="x")) == ()
     assert backend.memory()["needed_gb"] > 0
     with pytest.raises(SettingsError, match="concurrency sweep needs vLLM"):
@@ -41,7 +42,20 @@ def test_vllm_backend_says_which_settings_it_ignores():
     assert isinstance(attached, Backend)
     assert attached.capabilities == Capabilities(knows_rejected=False, per_request_drafting=False,
                                                  can_reconfigure=False, concurrent_requests=True,
-                                                 fair_strategy="sequential")
+                                                 fair_strategy="sequential", fixed_variants=True)
+    assert attached.variants() == {}  # two servers: no extra speculative engines
     assert set(attached.ignored_settings(Request(prompt="x"))) == {"method", "k", "dynamic_k", "fallback",
                                                                     "draft_confidence"}
     assert attached.memory() is None
+
+
+def test_vllm_backend_serves_its_extra_servers_as_variants():
+    """Each extra speculative server is an N-way engine named after its config; an unknown engine is refused."""
+    from engine.vllm_config import speculative_config
+    from engine.vllm_server import VLLMError
+    backend = VLLMBackend("http://127.0.0.1:9", "http://127.0.0.1:9", "m", speculative=speculative_config("ngram", 4),
+                          extra=[("http://127.0.0.1:9", speculative_config("ngram", 2)), ("http://127.0.0.1:9", None)])
+    assert backend.variants() == {"speculative-2": {"label": "vLLM ngram K=2", "method": "ngram"},
+                                  "speculative-3": {"label": "vLLM (config not given)", "method": "vllm"}}
+    with pytest.raises(VLLMError, match="no speculative-4 vLLM server"):
+        list(backend.speculative(Request(prompt="x"), engine="speculative-4"))

@@ -303,12 +303,13 @@ def test_page_greys_out_what_the_backend_does_not_apply(backend):
     host = ModelHost("x", lambda p: None)
     assert all(u == gr.skip() for u in backend_view(host))  # still loading: nothing changes yet
     host.backend = ServerLike(backend)
-    *controls, section = backend_view(host)
+    *controls, section, compare = backend_view(host)
     assert len(controls) == len(DRAFTING_CONTROLS)
     assert all(u["interactive"] is False and "set by the vLLM server (eagle)" in u["info"] for u in controls)
     assert section["visible"] is False  # attached servers cannot be reconfigured from the page
+    assert compare == gr.skip()  # not fixed variants: the presets stay
     host.backend = backend
-    *controls, section = backend_view(host)
+    *controls, section, compare = backend_view(host)
     assert all(u["interactive"] is True for u in controls) and section["visible"] is False
 
 

@@ -312,3 +312,24 @@ def test_history_tab_shows_the_extra_engines_of_a_saved_run(backend, tmp_path):
                          history.engines(comp.run_id))
     assert figures.count("<tr data-engine") == 3 and 'class="history-extra" data-engine="speculative-2"' in figures
     assert figures.count("✔ identical") == 3  # the main engine's line and two table rows
+
+
+def test_vllm_compare_flag_describes_one_server_per_config():
+    """`--vllm-compare ngram:k=2,ngram:k=6`: one --speculative-config per extra vLLM server; with --vllm-attach it
+    must describe exactly the extra URLs (nothing is contacted before that is checked)."""
+    import launch
+    from engine.vllm_config import parse_configs
+    from engine.vllm_server import VLLMError
+
+    configs = parse_configs("ngram:k=2, ngram:k=6,draft_model:draft=/d")
+    assert [(c["method"], c["num_speculative_tokens"]) for c in configs] == [("ngram", 2), ("ngram", 6),
+                                                                             ("draft_model", 4)]
+    assert configs[2]["model"] == "/d"
+    with pytest.raises(VLLMError, match="unknown option"):
+        parse_configs("ngram:q=1")
+    urls = "http://127.0.0.1:9,http://127.0.0.1:9,http://127.0.0.1:9,http://127.0.0.1:9"
+    with pytest.raises(SystemExit, match="describes 1 servers, --vllm-attach has 2 extra"):
+        launch.main(["demo", "--backend", "vllm", "--prompt", "x", "--vllm-attach", urls,
+                     "--vllm-compare", "ngram:k=2"])
+    with pytest.raises(SystemExit, match="at most 3"):
+        launch.main(["demo", "--backend", "vllm", "--prompt", "x", "--vllm-compare", "ngram,ngram,ngram,ngram"])

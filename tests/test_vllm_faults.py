@@ -70,6 +70,7 @@ class FakeVLLM(ThreadingHTTPServer):
         self.hang = False  # after the body, keep the connection open and send nothing
         self.release = threading.Event()  # ends a hang when the test is over
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        self.completions = 0  # completion requests served: which server an engine's run went to
 
     def handle_error(self, request, client_address):
         pass  # a client that hangs up on a bad stream breaks the pipe: expected here
@@ -95,6 +96,7 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
         server = self.server
+        server.completions += 1
         if server.chunked:
             self.protocol_version = "HTTP/1.1"
         self.send_response(200)
@@ -119,17 +121,26 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-@pytest.fixture
-def servers():
-    pair = [FakeVLLM(speculative=False), FakeVLLM(speculative=True)]
-    threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in pair]
-    for t in threads:
-        t.start()
-    yield pair
-    for s in pair:
+def serve(*fakes: FakeVLLM):
+    """Serve the fake servers in the background until the test ends (a generator: yield from it in a fixture)."""
+    for s in fakes:
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    yield list(fakes)
+    for s in fakes:
         s.release.set()
         s.shutdown()
         s.server_close()
+
+
+@pytest.fixture
+def servers():
+    yield from serve(FakeVLLM(speculative=False), FakeVLLM(speculative=True))
+
+
+@pytest.fixture
+def four_servers():
+    """A baseline and three speculative servers: the main one and two extras (an N-way comparison)."""
+    yield from serve(FakeVLLM(speculative=False), *[FakeVLLM(speculative=True) for _ in range(3)])
 
 
 def attach(servers, speculative: dict | None = None) -> VLLMBackend:
@@ -401,3 +412,64 @@ def test_a_stop_that_cuts_the_last_step_does_not_hide_a_plain_step(servers, size
     assert result.metrics["highlighting"].startswith("exact (steps without drafts placed by replaying")
     assert [t.kind for t in result.tokens] == final and [t.step for t in result.tokens][:2] == [0, 1]
     assert result.metrics["provisional_accuracy"] == pytest.approx(accuracy)
+
+
+# --- N-way: each extra speculative engine is a server of its own ----------------------------------------------------
+
+def test_an_nway_comparison_streams_each_engine_from_its_own_server(four_servers, tmp_path):
+    """Attached with two extra speculative servers, the backend offers them as variants named by their configs; a
+    3-engine comparison that picks the second extra streams each engine from its own server (told apart by their
+    answers' lengths and by the requests each server got), and the history stores the three engines."""
+    from specconsole.history import History
+    from specconsole.runner import Comparison
+    from specconsole.variants import served
+
+    base, main, extra_a, extra_b = four_servers
+    main.body = stream(6, spec_counts([2, 1], [3, 2]))  # 1 prefill token + (2+1) + (1+1)
+    extra_a.body = stream(4, spec_counts([2], [2]))
+    extra_b.body = stream(3, spec_counts([1], [2]))
+    backend = VLLMBackend.attach(base.url, main.url, speculative=speculative_config("draft_model", 3, "d"),
+                                 extra=[(extra_a.url, speculative_config("draft_model", 2, "d")),
+                                        (extra_b.url, speculative_config("draft_model", 4, "d"))])
+    assert backend.capabilities.fixed_variants
+    assert [v["label"] for v in backend.variants().values()] == ["vLLM draft_model K=2", "vLLM draft_model K=4"]
+    from specconsole.tab_run import compare_choices
+    assert compare_choices(backend)["choices"] == ["vLLM draft_model K=2", "vLLM draft_model K=4"]  # the page's
+    req = Request(prompt="x", max_new_tokens=len(WORDS))
+    extra = served(backend, req, ["vLLM draft_model K=4"])  # the second extra server only
+    history = History(tmp_path / "h.db")
+    comp = Comparison(backend, req, "fair", history, {"category": "t", "backend": "vllm", "method": "draft_model"},
+                      extra=extra, label="vLLM draft_model K=3")
+    comp.start()
+    deadline = time.monotonic() + 60
+    while not comp.poll(0.05):
+        assert time.monotonic() < deadline
+    assert comp.status == "completed", comp.error
+    results = comp.results
+    assert {e: len(r.output_ids) for e, r in results.items()} == {"baseline": 6, "speculative": 6, "speculative-2": 3}
+    assert [base.completions, main.completions, extra_a.completions, extra_b.completions] == [1, 1, 0, 1]
+    assert results["speculative-2"].metrics["accepted"] == 1 and results["speculative-2"].metrics["steps"] == 1
+    assert results["speculative-2"].metrics["highlighting"] == "exact"
+    saved = history.engines(comp.run_id)
+    assert [(e, r["label"], r["method"]) for e, r in saved.items()] == [
+        ("baseline", "baseline", "none"), ("speculative", "vLLM draft_model K=3", "draft_model"),
+        ("speculative-2", "vLLM draft_model K=4", "draft_model")]
+    assert list(history.results(comp.run_id)) == ["baseline", "speculative", "speculative-2"]
+
+
+def test_demo_on_vllm_compares_every_attached_server(four_servers, capsys):
+    """`launch.py demo --backend vllm` with extra attached servers streams each in turn and prints one table row per
+    server, labelled by the config --vllm-compare gave it."""
+    import launch
+
+    base, main, extra_a, extra_b = four_servers
+    extra_a.body, extra_b.body = stream(4), stream(3)
+    urls = ",".join(s.url for s in four_servers)
+    rc = launch.main(["demo", "--backend", "vllm", "--prompt", "x", "--max-new-tokens", "6", "--vllm-attach", urls,
+                      "--vllm-compare", "ngram:k=2,ngram:k=5"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "== speculative-2 (vLLM ngram K=2) ==" in out and "== speculative-3 (vLLM ngram K=5) ==" in out
+    table = out[out.index("engine "):].splitlines()
+    assert [line.split()[0] for line in table[1:]] == ["baseline", "speculative", "speculative-2", "speculative-3"]
+    assert [s.completions for s in four_servers] == [1, 1, 1, 1]

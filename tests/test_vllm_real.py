@@ -28,6 +28,7 @@ from specconsole.history import History
 from specconsole.render import figures_html
 from specconsole.runner import Comparison
 from specconsole.suites import SuitePrompt
+from specconsole.variants import served
 from specconsole.workbench import concurrency_sweep
 from tests.conftest import free_ports
 
@@ -286,3 +287,45 @@ def test_speculative_server_dies_mid_run(vllm, tmp_path):
     row = history.run(comp.run_id)
     assert row["status"] == "failed" and "speculative" in row["error"]
     assert len(history.results(comp.run_id)["speculative"].tokens) >= 5  # what it streamed is kept
+
+
+def test_nway_fair_comparison_of_two_ngram_servers(smol_dir, tmp_path):
+    """N-way on vLLM (issue 12): a baseline and two n-gram servers with different K (2 and 6), started one after the
+    other (on this 2-core machine the cores wrap around, so fair mode takes turns). A greedy 3-engine fair comparison
+    streams each engine from its own server: both speculative outputs are the baseline's, each engine has its
+    figures, no step drafts more than its server's K, and every server is stopped afterwards."""
+    backend = VLLMBackend.managed(str(smol_dir), speculative_config("ngram", 2), python=str(VLLM_PYTHON), gpu=False,
+                                  ports=tuple(free_ports(3)), log_dir=tmp_path / "logs",
+                                  extra=[speculative_config("ngram", 6)])
+    try:
+        assert len(backend.servers) == 3 and backend.variants() == {
+            "speculative-2": {"label": "vLLM ngram K=6", "method": "ngram"}}
+        history = History(tmp_path / "h.db")
+        req = Request(prompt=JSON_PROMPT, max_new_tokens=60)
+        comp = Comparison(backend, req, "fair", history, {"category": "json", **backend.describe()},
+                          extra=served(backend, req), label="vLLM ngram K=2")
+        comp.start()
+        deadline = time.monotonic() + 600
+        while not comp.poll(0.1):
+            assert time.monotonic() < deadline, "the comparison did not finish"
+        assert comp.status == "completed", comp.error
+        results = comp.results
+        assert list(results) == ["baseline", "speculative", "speculative-2"]
+        baseline = results["baseline"].output_ids
+        assert len(baseline) > 10
+        for engine, k in (("speculative", 2), ("speculative-2", 6)):
+            r = results[engine]
+            assert r.output_ids == baseline, engine  # greedy: speculation must not change the answer
+            assert comp.comparisons(results)[engine]["identical"] is True
+            assert r.metrics["tokens_per_s"] and r.metrics["ttft_ms"] is not None
+            assert_exactly_classified(r)  # its own server's counts and /metrics delta place its tokens
+            assert r.metrics["drafted"] > 0 and max(st.drafted for st in r.steps) <= k, engine
+        # the K=6 server drafts more per step than the K=2 one could: the extra engine was served by its own server
+        assert max(st.drafted for st in results["speculative-2"].steps) > 2
+        assert results["baseline"].metrics["tokens_per_s"]
+        saved = history.engines(comp.run_id)
+        assert [(e, r["label"]) for e, r in saved.items()] == [
+            ("baseline", "baseline"), ("speculative", "vLLM ngram K=2"), ("speculative-2", "vLLM ngram K=6")]
+    finally:
+        backend.close()
+    assert all(s.proc.poll() is not None for s in backend.servers)  # no server outlives the backend
