@@ -97,3 +97,24 @@ def run_to_end(comp):
         if comp.poll(timeout=0.05):
             return comp
     raise AssertionError("the comparison did not finish")
+
+
+CHROMIUM = "/usr/bin/chromium"  # Debian's (never `playwright install`)
+
+
+def launch_chromium(pw):
+    """Debian's Chromium, headless, with nothing of its own running in the background."""
+    return pw.chromium.launch(
+        executable_path=CHROMIUM, headless=True,
+        args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+              "--disable-component-update", "--disable-sync"],
+    )
+
+
+def set_run(page, prompt: str, max_new: int) -> None:
+    """Type a prompt into the console, greedy, with `max_new` new tokens."""
+    page.fill("#prompt textarea", prompt)
+    for selector, value in (("#temperature", "0"), ("#max-new", str(max_new))):
+        box = page.locator(f"{selector} input[type=number]")
+        box.fill(value)
+        box.press("Enter")

@@ -12,9 +12,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tests.conftest import free_ports
+from tests.conftest import CHROMIUM, free_ports, launch_chromium, set_run
 
-CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "artifacts"
 
@@ -54,11 +53,7 @@ def page():
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(
-            executable_path=CHROMIUM, headless=True,
-            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync"],
-        )
+        browser = launch_chromium(pw)
         context = browser.new_context(viewport={"width": 1500, "height": 1700}, accept_downloads=True)
         yield context.new_page()
         browser.close()
@@ -154,11 +149,7 @@ def test_live_panels_append_and_charts_throttle(console, page):
     each chart is redrawn at most about once a second during a run."""
     url, _ = console
     open_console(page, url)
-    page.fill("#prompt textarea", "Write a long story about a dragon who learns to bake bread.")
-    for selector, value in (("#temperature", "0"), ("#max-new", "96")):
-        box = page.locator(f"{selector} input[type=number]")
-        box.fill(value)
-        box.press("Enter")
+    set_run(page, "Write a long story about a dragon who learns to bake bread.", 96)
     page.wait_for_function("() => window.Plotly && window.Plotly.react")  # the empty charts are drawn at load
     page.evaluate(COUNT_REDRAWS)
     page.evaluate(TAG_FIRST_TOKENS)
@@ -205,11 +196,7 @@ def test_presenter_view_keys_and_the_same_run_across_switches(console, page):
 
         page.click("#present-toggle")  # out, to type the prompt; the URL follows the view
         assert "view=present" not in page.url and page.is_visible("#prompt")
-        page.fill("#prompt textarea", "Write a long story about a lighthouse keeper and the sea, in many short paragraphs.")
-        for selector, value in (("#temperature", "0"), ("#max-new", "1500")):
-            box = page.locator(f"{selector} input[type=number]")
-            box.fill(value)
-            box.press("Enter")
+        set_run(page, "Write a long story about a lighthouse keeper and the sea, in many short paragraphs.", 1500)
         page.click("#present-toggle")
         assert "view=present" in page.url
         page.locator("body").press("Enter")  # Run
@@ -319,11 +306,7 @@ def test_nway_comparison_fills_a_panel_per_engine(console, page):
 
     url, _ = console
     open_console(page, url)
-    page.fill("#prompt textarea", 'Repeat exactly: {"name": "Ada", "city": "London", "langs": ["en", "fr"]}')
-    for field, value in (("#temperature", "0"), ("#max-new", "24")):
-        box = page.locator(f"{field} input[type=number]")
-        box.fill(value)
-        box.press("Enter")
+    set_run(page, 'Repeat exactly: {"name": "Ada", "city": "London", "langs": ["en", "fr"]}', 24)
     expect(page.locator("#speculative-2-panel")).to_be_hidden()
     page.locator("#compare-with label", has_text="n-gram K=2 fixed").click()
     page.click("#run")

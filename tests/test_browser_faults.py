@@ -22,10 +22,9 @@ from engine.local import _Recorder
 from engine.stops import StopConditions
 from specconsole.history import History
 from tests.big_history import big_history_copy
-from tests.conftest import free_ports
+from tests.conftest import CHROMIUM, free_ports, launch_chromium, set_run
 from tests.test_history_faults import PARROT, UNICODE_TEXT
 
-CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parent.parent
 log = logging.getLogger(__name__)
 
@@ -94,11 +93,7 @@ def browser():
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
-        b = pw.chromium.launch(
-            executable_path=CHROMIUM, headless=True,
-            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync"],
-        )
+        b = launch_chromium(pw)
         yield b
         b.close()
 
@@ -119,14 +114,6 @@ def new_page(browser):
     yield open_page
     for context in contexts:
         context.close()
-
-
-def set_run(page, prompt: str, max_new: int) -> None:
-    page.fill("#prompt textarea", prompt)
-    for selector, value in (("#temperature", "0"), ("#max-new", str(max_new))):
-        box = page.locator(f"{selector} input[type=number]")
-        box.fill(value)
-        box.press("Enter")
 
 
 def click_run(page) -> None:

@@ -14,9 +14,8 @@ from engine.request import Request
 from specconsole.history import History
 from specconsole.replay import UnknownRun, payload, replay_html, write_replay
 from specconsole.runner import Comparison
-from tests.conftest import run_to_end
+from tests.conftest import CHROMIUM, launch_chromium, run_to_end
 
-CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 EVIL = "<script>alert(1)</script>"
 DATA = re.compile(r'<script id="replay-data" type="application/json">(.*?)</script>', re.S)
@@ -132,10 +131,7 @@ def browser():
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(
-            executable_path=CHROMIUM, headless=True,
-            args=["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync"])
+        browser = launch_chromium(pw)
         yield browser
         browser.close()
 
