@@ -291,7 +291,6 @@ def vllm_host(args):
 def console(args) -> int:
     import atexit
 
-    from specconsole.app import launch
     from specconsole.history import History, HistoryError
 
     auth = None
@@ -311,6 +310,8 @@ def console(args) -> int:
         log.error("%s", e)
         return 2
     host = (vllm_host(args) if args.backend == "vllm" else local_host(args)).start()  # the page is up meanwhile
+    from specconsole.app import launch  # gradio takes seconds to import: the models load meanwhile
+
     # Managed vLLM servers stop with the console however it ends: Ctrl-C ends launch(); SIGTERM and SIGHUP (whose
     # default would end the process without cleaning up) and exceptions end it through the finally; sys.exit
     # elsewhere through atexit. If the console is killed outright, each server's guard stops it (engine.vllm_server).

@@ -7,7 +7,7 @@
 
 Figures: RSS and USS (psutil memory_full_info) once loaded and after a short greedy run on both engines; peak RSS
 (getrusage ru_maxrss) and peak USS (sampled every 0.1 s); seconds from process start (imports included) to a
-LocalBackend that can serve; the preset's files in the cache. Timings on a shared machine are noisy; memory is not.
+LocalBackend that can serve, and from `python launch.py` to the console's "Ready"; the preset's files in the cache. Timings on a shared machine are noisy; memory is not.
 """
 
 from __future__ import annotations
@@ -84,6 +84,39 @@ def measure(preset: str, cache: Path, code: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def console_start(preset: str, cache: Path, code: Path) -> float:
+    """Seconds from `python launch.py` to the console's "Ready" (its loader's log line; the page polls the same
+    state), gradio and the page included. The page must answer too."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, SPECCONSOLE_CACHE=str(cache), HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False",
+               TQDM_DISABLE="1")
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, str(code / "launch.py"), "--preset", preset, "--port", str(port),
+               "--db", str(Path(tmp) / "history.db")]
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, env=env, cwd=code, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        try:
+            for line in proc.stderr:
+                if "models ready" in line:
+                    ready = time.monotonic() - start
+                    break
+                if "loading the models failed" in line or "Traceback" in line:
+                    raise SystemExit(f"the console failed to load: {line.strip()}")
+            else:
+                raise SystemExit(f"the console ended before it was ready (exit {proc.wait()})")
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30) as page:
+                assert page.status == 200
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    return ready
+
+
 def preset_files(preset: str, cache: Path) -> dict[str, int]:
     """Bytes on disk per kind of file the preset uses (hard links counted once per path, as du would)."""
     from engine.models import PRESETS
@@ -143,10 +176,14 @@ def main() -> None:
             runs["cold"]["cache_after"] = preset_files(args.preset, Path(scratch))
     log.info("cached start...")
     runs["cached"] = measure(args.preset, cache, args.code)
+    log.info("cached start of the console...")
+    runs["cached"]["console_ready_s"] = round(console_start(args.preset, cache, args.code), 1)
     files = preset_files(args.preset, cache)
     for kind, r in runs.items():
         log.info("%s start: ready in %.1f s (process start to a backend that can serve, imports included)",
                  kind, r["ready_s"])
+        if "console_ready_s" in r:
+            log.info("  the console (python launch.py): \"Ready\" after %.1f s", r["console_ready_s"])
         log.info("  loaded: RSS %.2f GiB, USS %.2f GiB; after an 8-token run on both engines: RSS %.2f GiB, "
                  "USS %.2f GiB", r["loaded_rss_gib"], r["loaded_uss_gib"], r["steady_rss_gib"], r["steady_uss_gib"])
         log.info("  peak: RSS %.2f GiB (ru_maxrss), USS %.2f GiB (sampled); weights as counted by the engine "

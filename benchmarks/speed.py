@@ -3,6 +3,8 @@
     python -m benchmarks.speed                        24 HumanEval + 16 MT-Bench prompts (2 per category), seed 0
     python -m benchmarks.speed --suite ours           the in-repo categories instead (or --categories code chat)
     python -m benchmarks.speed --preset smollm2-ngram --limit-prompts 2 --repeats 1 --max-new-tokens 16   quick check
+    python -m benchmarks.speed --variants hybrid      levers side by side: each configuration runs on every prompt,
+                                                      against the same baseline and HF runs of the same repeat
 
 All four runs of a prompt use the same two model objects with the same optimisations (prepacked float32 target,
 int8 draft on CPU), greedy decoding (whatever temperature a suite gives), the chat template (with a multi-turn
@@ -19,6 +21,7 @@ Prints a markdown table; nothing here is a test.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import logging
 import math
@@ -80,18 +83,44 @@ def run_hf(backend, req: Request, assisted: bool, counter: PassCounter) -> tuple
     return out[0, ids.shape[1]:].tolist(), seconds, counter.count
 
 
-def engine_order(repeat: int, with_hf: bool) -> list[str]:
+def parse_variant(spec: str) -> dict:
+    """'hybrid,draft_vocab=32768' -> {"method": "hybrid", "draft_vocab": 32768}: Request fields, a bare word is a
+    method; values take the type of the field's default."""
+    fields = {f.name: f for f in dataclasses.fields(Request)}
+    out = {}
+    for part in filter(None, spec.split(",")):
+        key, eq, value = part.partition("=")
+        if not eq:
+            key, value = "method", key
+        if key not in fields or key in ("prompt", "sampling", "earlier_turns", "stop_strings"):
+            raise SystemExit(f"--variants: {key!r} is not a setting of a run (e.g. method, k, draft_confidence)")
+        kind = type(getattr(Request(prompt="-"), key))
+        out[key] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+    return out
+
+
+def engine_order(repeat: int, with_hf: bool, variants=()) -> list[str]:
     """The engines of one repeat, in running order: reversed on odd repeats, so that drift cancels."""
-    order = list(ENGINES if with_hf else ENGINES[:2])
+    order = ["baseline", "speculative", *(f"variant:{v}" for v in variants)] + (list(ENGINES[2:]) if with_hf else [])
     return order[::-1] if repeat % 2 else order
 
 
-def bench_prompt(backend, req: Request, counter: PassCounter, order: list[str]) -> dict:
+def variant_row(b: RunResult, s: RunResult, hf_speedup: float) -> dict:
+    """A speculative configuration's figures against the baseline (and HF assisted) of the same repeat."""
+    c = compare(b, s, greedy=True)
+    return {"speedup": c["speedup"], "ours_vs_hf": c["speedup"] / hf_speedup, "identical": c["identical"],
+            "acceptance": s.metrics["acceptance_rate"] or 0.0,
+            "draft_ms_per_token": s.metrics["draft_ms_per_token"] or NAN}
+
+
+def bench_prompt(backend, req: Request, counter: PassCounter, order: list[str], variants: dict | None = None) -> dict:
     """One repeat of one prompt: the engines of `order` back to back, and the figures of this repeat."""
     runs = {}
     for engine in order:
         if engine in ("baseline", "speculative"):
             runs[engine] = run_engine(backend, engine, req)
+        elif engine.startswith("variant:"):
+            runs[engine] = run_engine(backend, "speculative", dataclasses.replace(req, **variants[engine[8:]]))
         else:
             runs[engine] = run_hf(backend, req, engine == "hf_assisted", counter)
     b, s = runs["baseline"], runs["speculative"]
@@ -114,6 +143,8 @@ def bench_prompt(backend, req: Request, counter: PassCounter, order: list[str]) 
         hf_speedup = (len(hfa_ids) / hfa_s) / (len(hf_ids) / hf_s)
         row |= {"hf_speedup": hf_speedup, "ours_vs_hf": c["speedup"] / hf_speedup,
                 "hf_identical": first_divergence(b.output_ids, hfa_ids) is None, "hf_target_passes": hfa_passes}
+    row["variants"] = {"main": variant_row(b, s, row["hf_speedup"])}
+    row["variants"] |= {e[8:]: variant_row(b, r, row["hf_speedup"]) for e, r in runs.items() if e.startswith("variant:")}
     return row
 
 
@@ -139,6 +170,9 @@ def per_prompt(reps: list[dict]) -> dict:
     tps = [r["baseline_tps"] for r in reps]
     row["noise"] = statistics.stdev(tps) / statistics.mean(tps) if len(tps) > 1 else NAN
     row["identical"] = all(r["identical"] for r in reps)
+    row["variants"] = {name: {key: _median(r["variants"][name][key] for r in reps) for key in VARIANT_FIGURES}
+                       | {"identical": all(r["variants"][name]["identical"] for r in reps)}
+                       for name in reps[0]["variants"]}
     hf = [r["hf_identical"] for r in reps]
     row["hf_identical"] = None if None in hf else all(hf)
     return row
@@ -188,6 +222,43 @@ def table(rows: dict[str, dict]) -> str:
                 cell += f" [{fmt.format(low).rstrip('x')}, {fmt.format(high).rstrip('x')}]"
             cells.append(cell)
         cells += [_cell(100 * row["noise"], "{:.1f} %"), row["identical"], row["hf_identical"]]
+        lines.append(" | ".join(cells))
+    return "\n".join("| " + line + " |" for line in lines)
+
+
+VARIANT_FIGURES = ("speedup", "ours_vs_hf", "acceptance", "draft_ms_per_token")
+
+
+def _with_ci(values: list[float], fmt: str) -> str:
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return "n/a"
+    low, high = bootstrap_ci(values)[1:]
+    return f"{fmt.format(statistics.median(values))} [{fmt.format(low)}, {fmt.format(high)}]"
+
+
+def variants_table(prompts: list[dict], names: dict[str, str]) -> str:
+    """One row per configuration (the main one first), measured on the same prompts in the same repeats: speedup
+    and ours/HF with intervals over all prompts, ours/HF per suite and its lowest category, acceptance and draft
+    ms per drafted token (medians over prompts)."""
+    suites = list(dict.fromkeys(p["suite"] for p in prompts))
+    header = (["configuration", "speedup [95% CI]", "ours/HF [95% CI]"] + [f"ours/HF {s}" for s in suites]
+              + ["lowest category (ours/HF)", "accept", "draft ms/token", "identical"])
+    lines = [" | ".join(header), " | ".join("---" for _ in header)]
+    for name, label in names.items():
+        figures = [p["variants"][name] for p in prompts]
+        cells = [label, _with_ci([f["speedup"] for f in figures], "{:.2f}"),
+                 _with_ci([f["ours_vs_hf"] for f in figures], "{:.2f}")]
+        cells += [_cell(_median(p["variants"][name]["ours_vs_hf"] for p in prompts if p["suite"] == s), "{:.2f}")
+                  for s in suites]
+        per_category = {c: _median(p["variants"][name]["ours_vs_hf"] for p in prompts if p["category"] == c)
+                        for c in dict.fromkeys(p["category"] for p in prompts)}
+        per_category = {c: v for c, v in per_category.items() if not math.isnan(v)}
+        lowest = min(per_category, key=per_category.get) if per_category else None
+        cells.append(f"{lowest} {per_category[lowest]:.2f}" if lowest else "n/a")
+        cells += [_cell(_median(f["acceptance"] for f in figures), "{:.2f}"),
+                  _cell(_median(f["draft_ms_per_token"] for f in figures), "{:.1f}"),
+                  f"{sum(f['identical'] for f in figures)}/{len(figures)}"]
         lines.append(" | ".join(cells))
     return "\n".join("| " + line + " |" for line in lines)
 
@@ -258,7 +329,12 @@ def main(argv=None) -> int:
     p.add_argument("--confidence", type=float, default=0.4, help="draft stops below this probability (0 = off)")
     p.add_argument("--no-per-token", action="store_true", help="dynamic K from the i.i.d. model, no per-token stop")
     p.add_argument("--strict", action="store_true")
+    p.add_argument("--variants", nargs="*", default=[], metavar="SETTINGS",
+                   help="more speculative configurations, each run on every prompt beside the main one and\n"
+                        "compared with the same baseline and HF runs: a method and/or settings of a run,\n"
+                        "e.g. --variants hybrid draft_vocab=32768 hybrid,draft_vocab=32768")
     args = p.parse_args(argv)
+    variants = {spec: parse_variant(spec) for spec in args.variants}
 
     try:
         plan = plan_prompts(args)
@@ -282,6 +358,8 @@ def main(argv=None) -> int:
     warm = Request(prompt="Hello", max_new_tokens=8, method=method, k=args.k)
     run_engine(backend, "baseline", warm)  # first calls pay one-off costs; also measures the target's step
     run_engine(backend, "speculative", warm)
+    for v in variants.values():  # e.g. a pruned draft head is built on its first use
+        run_engine(backend, "speculative", dataclasses.replace(warm, **v))
 
     # greedy whatever temperature the suite gives (Request's default sampling), so outputs can be compared
     requests = [Request(prompt=item.prompt, earlier_turns=item.earlier_turns, max_new_tokens=args.max_new_tokens,
@@ -291,9 +369,9 @@ def main(argv=None) -> int:
     interrupted = False
     try:
         for r in range(args.repeats):
-            order = engine_order(r, with_hf)
+            order = engine_order(r, with_hf, variants)
             for i, ((_, item), req) in enumerate(zip(plan, requests)):
-                reps[i].append(bench_prompt(backend, req, counter, order))
+                reps[i].append(bench_prompt(backend, req, counter, order, variants))
                 last = reps[i][-1]
                 log.info("repeat %d/%d, prompt %d/%d (%s): speedup %.2fx (HF %s), identical=%s", r + 1,
                          args.repeats, i + 1, len(plan), item.category, last["speedup"],
@@ -320,6 +398,10 @@ def main(argv=None) -> int:
               "a 95 % percentile bootstrap interval over prompts (10,000 resamples, seed 0) for speedup and "
               "ours/HF. Noise: coefficient of variation of the baseline's tok/s over repeats (median over "
               "prompts).\n")
+    if variants:
+        out.write(f"\nConfigurations side by side (each on every prompt, in the same repeats as the table above; "
+                  f"main: method {method}, {kind}):\n\n")
+        out.write(variants_table(prompts, {"main": "main"} | {v: v for v in variants}) + "\n")
     noise = rows["all"]["noise"]
     if noise > NOISE_WARNING:
         noisy = [name for name, row in rows.items() if row["noise"] > NOISE_WARNING and name != "all"]

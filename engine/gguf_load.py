@@ -2,9 +2,9 @@
 
 Why: the float32 safetensors cache held every weight twice in the console process (the mapped float32 file beside
 the oneDNN-packed copy) and took 9 GB of disk for a 1.6 GB download. Here the model is built on the meta device,
-each GGUF tensor is dequantized with gguf's numpy code (the same call transformers makes, so the float32 values
-are bitwise those of the old cache) and handed to `convert`, which packs or quantizes a Linear as soon as its
-tensors are in; the float32 tensor is then dropped. Peak memory is the loaded model plus one layer.
+each GGUF tensor is dequantized (engine.gguf_dequant: bitwise the values of gguf's numpy code, which transformers
+calls, so the float32 values are those of the old cache) and handed to `convert`, which packs or quantizes a
+Linear as soon as its tensors are in; the float32 tensor is then dropped. Peak memory is the model plus one layer.
 
 The input embedding is only ever indexed, so it stays in its GGUF block format (`GGUFEmbedding`): rows are
 dequantized when looked up, bitwise equal to the rows of the full dequantization (GGUF blocks never span rows).
@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from engine.gguf_dequant import dequantize
+
 log = logging.getLogger(__name__)
 
 Convert = Callable[[nn.Linear], nn.Module]  # a complete float32 Linear -> what the model runs (packed, int8, itself)
@@ -38,8 +40,6 @@ class GGUFEmbedding(nn.Module):
         self.register_buffer("raw", torch.from_numpy(np.array(raw, copy=True)))  # [V, bytes per row] uint8, a copy: the file can be unmapped
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        from gguf import dequantize
-
         rows = self.raw[ids.reshape(-1).cpu()].numpy()
         out = torch.from_numpy(dequantize(rows, self.qtype)).reshape(*ids.shape, self.embedding_dim)
         return out.to(ids.device)
@@ -96,7 +96,7 @@ def load_gguf_model(
     on_progress: Callable[[str, float, float], None] | None = None,
 ) -> nn.Module:
     """A transformers causal LM (config from `meta_dir`) with its weights from `gguf`, Linears passed to `convert`."""
-    from gguf import GGMLQuantizationType, dequantize
+    from gguf import GGMLQuantizationType
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
@@ -130,10 +130,7 @@ def load_gguf_model(
     def to_float(entry) -> torch.Tensor:
         weights = processor.process(weights=dequantize(data(entry), entry["type"]), name=entry["name"],
                                     tensor_key_mapping=names, parsed_parameters={}).weights
-        weights = np.ascontiguousarray(weights)
-        if not weights.flags.writeable or weights.base is not None:  # own memory: nothing stays mapped
-            weights = weights.copy()
-        return torch.from_numpy(weights)
+        return torch.from_numpy(np.ascontiguousarray(weights))  # dequantize's own memory: nothing stays mapped
 
     def kept_quantized(entry) -> bool:
         quantized = entry["type"] not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16)

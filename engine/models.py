@@ -137,7 +137,7 @@ def load(
     model = prepare_target(model, device, strict) if role == "target" else prepare_draft(model, device, int8)
     _own_memory(model)
     if role == "draft" and int8:
-        nbytes = _serialized_size(model)
+        nbytes = _int8_size(model)
     if on_progress:
         on_progress(f"loading {role} {Path(spec).name}", 1, 1)
     return LoadedModel(Path(spec).name, model, tokenizer, device, nbytes)
@@ -161,7 +161,7 @@ def _load_gguf(spec: str, role: str, device: torch.device, int8: bool, strict: b
     except Exception as e:  # noqa: BLE001 - a damaged cache: say where and how to fix it
         raise ModelError(f"could not load {spec!r} from {gguf}: {e}. If this is a cached model, delete {meta}.") from e
     model = finish(model, role)
-    nbytes = _serialized_size(model) if role == "draft" and int8 else _resident_bytes(model)
+    nbytes = _int8_size(model) if role == "draft" and int8 else _resident_bytes(model)
     _trim_heap()
     return LoadedModel(Path(spec).name, model, tokenizer, device, nbytes)
 
@@ -199,13 +199,15 @@ def _weight_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
-def _serialized_size(model: torch.nn.Module) -> int:
-    """Bytes of a quantized model's weights: its packed int8 parameters hide from state_dict's tensors."""
-    import io
+def _int8_size(model: torch.nn.Module) -> int:
+    """Bytes of an int8 draft's weights (engine.optimize.quantize_linear): packed Linears hide from parameters()."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
-    buffer = io.BytesIO()
-    torch.save(model.state_dict(), buffer)
-    return buffer.tell()
+    size = _resident_bytes(model)
+    for m in model.modules():
+        if isinstance(m, DynamicLinear):  # int8 weight, float32 bias
+            size += m.in_features * m.out_features + 4 * m.out_features * m.has_bias
+    return size
 
 
 def check_pair(target: LoadedModel, draft: LoadedModel) -> None:

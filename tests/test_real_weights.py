@@ -10,7 +10,7 @@ from engine.local_backend import LocalBackend
 from engine.request import Request
 from engine.events import RunResult, TokenKind
 from engine.metrics import compare
-from engine.models import load
+from engine.models import ModelError, custom_preset, load
 from engine.sampling import SamplingParams
 from engine.weights import SOURCES, cache_dir, dequantized_dir
 from tests.conftest import CPU
@@ -51,10 +51,21 @@ def smol():
 
 @pytest.fixture(scope="module")
 def smol_self_draft():
-    """SmolLM2 drafting for itself in int8: exercises the draft-model path and quantization on real weights."""
-    target = load("smollm2-135m-instruct", "target", CPU, strict=True)
-    draft = load("smollm2-135m-instruct", "draft", CPU, int8=True)
-    return LocalBackend(target, draft)
+    """SmolLM2 drafting for itself in int8, loaded as any preset with a draft is (both models at once, in two
+    threads): exercises the draft-model path, quantization and the parallel load on real weights."""
+    return LocalBackend.from_preset(custom_preset("smollm2-ngram", None, "smollm2-135m-instruct"), strict=True)
+
+
+def test_preset_with_draft_loads_both_models(smol_self_draft):
+    from torch.ao.nn.quantized.dynamic import Linear as Int8Linear
+
+    from engine.optimize import PackedLinear
+
+    target, draft = smol_self_draft.target.model, smol_self_draft.draft.model
+    assert isinstance(target.lm_head, PackedLinear) and isinstance(draft.lm_head, Int8Linear)
+    assert smol_self_draft.draft.nbytes < smol_self_draft.target.nbytes / 2  # int8 vs float32 Linears
+    with pytest.raises(ModelError, match="model not found"):  # one load failing fails the start, with its reason
+        LocalBackend.from_preset(custom_preset("smollm2-ngram", None, "/no/such/draft"))
 
 
 def test_weights_held_once(smol, smol_dir):
