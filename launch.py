@@ -51,6 +51,9 @@ def add_request_args(p: argparse.ArgumentParser, suite: bool = False) -> None:
                    help="draft length per step from measured costs (a draft model stops token by token)")
     p.add_argument("--draft-confidence", type=float, default=r.DEFAULT_DRAFT_CONFIDENCE,
                    help="a draft model stops drafting below this confidence (0 = off)")
+    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help=f"FR-Spec: a draft model drafts among its N most frequent tokens only (0 = all; N >= "
+                        f"{r.MIN_DRAFT_VOCAB}); the output stays exact")
     p.add_argument("--fallback", action="store_true", help="switch speculation off while it does not pay")
     p.add_argument("--max-new-tokens", type=int, default=r.SUITE_MAX_NEW_TOKENS if suite else r.DEFAULT_MAX_NEW_TOKENS)
     if not suite:  # a suite's prompts each bring their temperature
@@ -93,7 +96,7 @@ def build_request(args, prompt: str, default_method: str):
     return request(prompt, max_new_tokens=args.max_new_tokens, top_p=args.top_p, seed=args.seed,
                    temperature=extra.get("temperature", DEFAULT_TEMPERATURE), top_k=extra.get("top_k", 0),
                    method=args.method or default_method, k=args.k, dynamic_k=args.dynamic_k,
-                   draft_confidence=args.draft_confidence, fallback=args.fallback,
+                   draft_confidence=args.draft_confidence, fallback=args.fallback, draft_vocab=args.draft_vocab,
                    stop_strings=extra.get("stop", ()))
 
 

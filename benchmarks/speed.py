@@ -328,6 +328,8 @@ def main(argv=None) -> int:
     p.add_argument("--fixed-k", action="store_true", help="constant K instead of dynamic K")
     p.add_argument("--confidence", type=float, default=0.4, help="draft stops below this probability (0 = off)")
     p.add_argument("--no-per-token", action="store_true", help="dynamic K from the i.i.d. model, no per-token stop")
+    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="FR-Spec: our draft model drafts among its N most frequent tokens (0 = all)")
     p.add_argument("--strict", action="store_true")
     p.add_argument("--variants", nargs="*", default=[], metavar="SETTINGS",
                    help="more speculative configurations, each run on every prompt beside the main one and\n"
@@ -355,7 +357,8 @@ def main(argv=None) -> int:
                  getattr(dg, "assistant_confidence_threshold", None))
     else:
         log.info("preset %s has no draft model: HF assisted generation has nothing to draft with (n/a)", args.preset)
-    warm = Request(prompt="Hello", max_new_tokens=8, method=method, k=args.k)
+    # with --draft-vocab the warm-up also builds the pruned head (and, once per machine, the token ranking)
+    warm = Request(prompt="Hello", max_new_tokens=8, method=method, k=args.k, draft_vocab=args.draft_vocab)
     run_engine(backend, "baseline", warm)  # first calls pay one-off costs; also measures the target's step
     run_engine(backend, "speculative", warm)
     for v in variants.values():  # e.g. a pruned draft head is built on its first use
@@ -364,7 +367,7 @@ def main(argv=None) -> int:
     # greedy whatever temperature the suite gives (Request's default sampling), so outputs can be compared
     requests = [Request(prompt=item.prompt, earlier_turns=item.earlier_turns, max_new_tokens=args.max_new_tokens,
                         method=method, k=args.k, dynamic_k=not args.fixed_k, draft_confidence=args.confidence,
-                        per_token=not args.no_per_token) for _, item in plan]
+                        per_token=not args.no_per_token, draft_vocab=args.draft_vocab) for _, item in plan]
     reps: list[list[dict]] = [[] for _ in plan]
     interrupted = False
     try:
@@ -392,7 +395,8 @@ def main(argv=None) -> int:
     repeats += " (interrupted: fewer for some prompts)" if interrupted else ""
     out.write(f"\nPrompts: {describe_prompts(plan, args.sample_seed)}; {repeats}, engine order reversed "
               f"on odd repeats; greedy; {args.max_new_tokens} new tokens; preset {args.preset} (method {method}, {kind}, confidence "
-              f"floor {args.confidence}); machine: {machine()}; {datetime.date.today().isoformat()}.\n\n")
+              f"floor {args.confidence}, draft vocabulary {args.draft_vocab or 'full'}); machine: {machine()}; "
+              f"{datetime.date.today().isoformat()}.\n\n")
     out.write(table(rows) + "\n\n")
     out.write("Per prompt the median over repeats of within-repeat figures; per row the median over prompts, with "
               "a 95 % percentile bootstrap interval over prompts (10,000 resamples, seed 0) for speedup and "

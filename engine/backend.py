@@ -22,13 +22,13 @@ from engine.request import Request
 Clock = Callable[[], float]
 
 # Settings of a Request that only the drafting side reads; a backend without per-request drafting ignores them.
-DRAFTING_SETTINGS = ("method", "k", "dynamic_k", "fallback", "draft_confidence")
+DRAFTING_SETTINGS = ("method", "k", "dynamic_k", "fallback", "draft_confidence", "draft_vocab")
 
 
 @dataclass(frozen=True)
 class Capabilities:
     knows_rejected: bool  # the text of rejected drafts is known (our engine); a server only reports counts
-    per_request_drafting: bool  # method, K, dynamic K, fallback and draft confidence apply per request
+    per_request_drafting: bool  # method, K, dynamic K, fallback, draft confidence and vocabulary apply per request
     can_reconfigure: bool  # the speculative side can be restarted with another drafting config (reconfigure())
     concurrent_requests: bool  # serves parallel requests: the workbench's concurrency sweep (throughput())
     # how fair mode is fair: "alternate" (one target pass each, in turns), "sequential" (one whole run, then the

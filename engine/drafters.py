@@ -17,6 +17,7 @@ import torch
 
 from engine.forward import forward, new_cache, rollback
 from engine.sampling import SamplingParams, sample, warp
+from engine.vocab import PrunedHead
 
 
 @dataclass
@@ -30,16 +31,18 @@ class DraftModelProposer:
     """A smaller model from the same tokenizer family proposes up to k tokens autoregressively. It stops early when
     it is unsure: a draft token whose draft probability is below `confidence` is likely to be rejected, and every
     token drafted after it would be wasted; or when the policy's DraftStop says one more token would not pay.
-    (Any rule that depends only on the draft's own state keeps the rejection sampler exact.)"""
+    (Any rule that depends only on the draft's own state keeps the rejection sampler exact.) With a pruned output
+    layer (`head`, FR-Spec) it drafts among the kept ids only, and q is 0 at every other id."""
 
     method = "draft"
 
     def __init__(
         self, model, vocab_size: int, params: SamplingParams, generator: torch.Generator | None,
-        confidence: float = 0.0,
+        confidence: float = 0.0, head: PrunedHead | None = None,
     ):
         self.model = model
         self.confidence = confidence
+        self.head = head  # FR-Spec: the output layer for the kept ids only (engine.vocab); None: the full layer
         self.vocab_size = vocab_size  # the target's logits width; q is padded to it
         self.params = params
         self.generator = generator
@@ -52,16 +55,17 @@ class DraftModelProposer:
         drafts: list[int] = []
         probs = []
         for _ in range(k):
-            logits = forward(self.model, feed, self.cache, keep=1)[-1]  # [V_draft]
+            logits = forward(self.model, feed, self.cache, keep=1, head=self.head)[-1]  # [V_draft], or [N] kept
             self.cached += feed
             if self.params.greedy:
-                token = int(logits.argmax())
-                confidence = float(torch.softmax(logits, -1)[token]) if self.confidence or stop else 1.0
+                i = int(logits.argmax())
+                confidence = float(torch.softmax(logits, -1)[i]) if self.confidence or stop else 1.0
             else:
-                q = warp(logits, self.params)
-                token = sample(q, self.generator)
+                q = warp(logits, self.params)  # over the kept ids only, with a pruned head
+                i = sample(q, self.generator)
                 probs.append(q)
-                confidence = float(q[token])
+                confidence = float(q[i])
+            token = i if self.head is None else int(self.head.ids[i])
             drafts.append(token)
             if confidence < self.confidence or (stop is not None and not stop.more(confidence)):
                 break
@@ -77,6 +81,8 @@ class DraftModelProposer:
             del self.cached[keep:]
 
     def _pad(self, q: torch.Tensor) -> torch.Tensor:
+        if self.head is not None:  # q over the kept ids -> over all ids, 0 at those the pruned head cannot propose
+            q = q.new_zeros(*q.shape[:-1], self.vocab_size).index_copy_(-1, self.head.ids.to(q.device), q)
         # A draft whose embedding matrix is narrower than the target's can never propose the extra ids: q = 0 there.
         if q.shape[-1] < self.vocab_size:
             q = torch.nn.functional.pad(q, (0, self.vocab_size - q.shape[-1]))

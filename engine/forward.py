@@ -18,8 +18,13 @@ def rollback(cache: DynamicCache, length: int) -> None:
 
 
 @torch.inference_mode()
-def forward(model, ids: list[int], cache: DynamicCache, keep: int) -> torch.Tensor:
-    """Feed `ids` after what the cache holds; return the logits of the last `keep` positions, [keep, V] float32."""
+def forward(model, ids: list[int], cache: DynamicCache, keep: int, head=None) -> torch.Tensor:
+    """Feed `ids` after what the cache holds; return the logits of the last `keep` positions, [keep, V] float32.
+    `head` (a draft's engine.vocab.PrunedHead) replaces the model's output layer: [keep, N], and the full layer
+    never runs."""
     x = torch.tensor([ids], dtype=torch.long, device=model.device)  # [1, T]
+    if head is not None:
+        hidden = model.model(input_ids=x, cache=cache, use_cache=True).last_hidden_state  # [1, T, H], normed
+        return head(hidden[0, -keep:]).float()
     out = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=keep)
     return out.logits[0, -keep:].float()

@@ -14,9 +14,10 @@ from engine.local import generate_baseline, generate_speculative, score_outputs
 from engine.models import PRESETS, LoadedModel, ModelError, Preset, check_pair, encode_prompt, load, pick_device
 from engine.backend import Capabilities
 from engine.policy import SpecPolicy
-from engine.request import MODEL_METHODS, Request
+from engine.request import MIN_DRAFT_VOCAB, MODEL_METHODS, Request
 from engine.sampling import SettingsError
 from engine.stops import StopConditions
+from engine.vocab import PrunedHead, kept_ids, prune_head, token_ranking
 from engine.weights import Progress
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ class LocalBackend:
             check_pair(target, draft)
         self.target, self.draft = target, draft
         self.target_step_ms: float | None = None  # measured by baseline runs; lets the fallback judge from step 1
+        self.heads: dict[int, PrunedHead] = {}  # FR-Spec: the draft's pruned output layer per vocabulary size
 
     @classmethod
     def from_preset(
@@ -96,6 +98,9 @@ class LocalBackend:
         if req.method in MODEL_METHODS and self.draft is None:
             raise SettingsError(f"this setup has no draft model, which {req.method} drafting needs: choose n-gram "
                                 "drafting or load a draft")
+        if req.method in MODEL_METHODS and req.draft_vocab > self.draft.vocab_size:
+            raise SettingsError(f"the draft vocabulary (FR-Spec) must be 0 (full) or between {MIN_DRAFT_VOCAB} and "
+                                f"the draft's {self.draft.vocab_size} tokens, got {req.draft_vocab}")
         ids = encode_prompt(self.target.tokenizer, req.prompt, req.chat, req.earlier_turns)
         room = self.target.max_context - req.max_new_tokens
         if len(ids) > room:
@@ -130,7 +135,8 @@ class LocalBackend:
         if req.method == "ngram":
             proposer = NgramProposer(req.ngram_min, req.ngram_max)
         else:
-            proposer = DraftModelProposer(self.draft.model, t.vocab_size, req.sampling, None, req.draft_confidence)
+            proposer = DraftModelProposer(self.draft.model, t.vocab_size, req.sampling, None, req.draft_confidence,
+                                          self.draft_head(req.draft_vocab))
         if req.method == "hybrid":
             lookup = NgramProposer(req.hybrid_min_match, max(req.ngram_max, req.hybrid_min_match))
             proposer = HybridProposer(proposer, lookup)
@@ -138,3 +144,16 @@ class LocalBackend:
         yield from generate_speculative(
             t.model, t.tokenizer, proposer, ids, req.sampling, self.stops(req), policy, cancel, clock
         )
+
+    def draft_head(self, n: int) -> PrunedHead | None:
+        """The draft's output layer pruned to its n most frequent tokens (FR-Spec), built once per n (a second or
+        so for the Qwen draft); None for the full layer (n = 0, or n covers it all)."""
+        if not n or n >= self.draft.vocab_size:
+            return None
+        if n not in self.heads:
+            if len(self.heads) >= 3:  # each size typed into the page costs up to a layer's memory: keep the latest
+                del self.heads[next(iter(self.heads))]
+            ids = kept_ids(token_ranking(self.draft.tokenizer), n, self.draft.vocab_size)
+            self.heads[n] = prune_head(self.draft.model.get_output_embeddings(), ids)
+            log.info("FR-Spec: the draft drafts among its %d most frequent tokens", n)
+        return self.heads[n]

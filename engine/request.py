@@ -14,6 +14,8 @@ MODEL_METHODS = ("draft", "hybrid")  # the methods that run a draft model (and m
 # hybrid drafting looks the text up when at least this many tokens repeat verbatim, as prompt-lookup decoding's
 # default n-gram size: one or two tokens ("the", ", ") recur everywhere and would overrule a better draft model
 HYBRID_MIN_MATCH = 3
+# FR-Spec's smallest pruned draft vocabulary: below it even common text falls outside the kept tokens
+MIN_DRAFT_VOCAB = 1024
 
 @dataclass(frozen=True)
 class Request:
@@ -32,6 +34,7 @@ class Request:
     ngram_min: int = 1
     ngram_max: int = 4
     hybrid_min_match: int = HYBRID_MIN_MATCH  # hybrid: the shortest n-gram match that is trusted over the draft model
+    draft_vocab: int = 0  # FR-Spec: the draft model drafts among its N most frequent tokens only (0 = all of them)
     stop_strings: tuple[str, ...] = ()
     chat: bool = True
     earlier_turns: tuple[tuple[str, str], ...] = ()  # (role, content) of a multi-turn chat before this prompt
@@ -49,6 +52,9 @@ class Request:
             raise SettingsError(f"the hybrid's n-gram match needs at least 1 token, got {self.hybrid_min_match}")
         if not 0.0 <= self.draft_confidence < 1.0:
             raise SettingsError(f"draft confidence must be in [0, 1), got {self.draft_confidence}")
+        if self.draft_vocab != 0 and self.draft_vocab < MIN_DRAFT_VOCAB:  # the backend checks the draft's size
+            raise SettingsError(f"the draft vocabulary (FR-Spec) must be 0 (the full vocabulary) or at least "
+                                f"{MIN_DRAFT_VOCAB} tokens, got {self.draft_vocab}")
         self.sampling.validate()
         self.policy().validate()
 
@@ -73,7 +79,7 @@ DEFAULT_SEED = 0  # sampled runs repeat exactly unless the user picks another se
 def build_request(prompt: str = "", *, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, temperature=DEFAULT_TEMPERATURE,
                   top_p=DEFAULT_TOP_P, top_k: int = 0, seed=DEFAULT_SEED, method: str = "draft", k=DEFAULT_K,
                   dynamic_k=DEFAULT_DYNAMIC_K, draft_confidence=DEFAULT_DRAFT_CONFIDENCE, fallback=False,
-                  stop_strings=()) -> Request:
+                  stop_strings=(), draft_vocab=0) -> Request:
     """The Request of the page, the CLI and the suites. Takes the loose values a form or argparse gives (floats for
     ints, "" or None for no seed). A suite's base request has an empty prompt: each suite entry brings its own."""
     return Request(
@@ -81,7 +87,8 @@ def build_request(prompt: str = "", *, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, te
         sampling=SamplingParams(float(temperature), int(top_k), float(top_p),
                                 None if seed in (None, "") else int(seed)),
         method=method, k=int(k), dynamic_k=bool(dynamic_k), k_max=max(16, int(k)),
-        # the draft model's own confidence: meaningless for other drafters, so not saved with their runs
+        # the draft model's own confidence and vocabulary: meaningless to other drafters, not saved with their runs
         draft_confidence=float(draft_confidence) if method in MODEL_METHODS else 0.0,
+        draft_vocab=int(draft_vocab or 0) if method in MODEL_METHODS else 0,
         fallback=bool(fallback), stop_strings=tuple(s for s in stop_strings if s),
     )

@@ -23,7 +23,8 @@ import gradio as gr
 
 from engine.models import ModelError
 from engine.request import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DYNAMIC_K, DEFAULT_K, DEFAULT_MAX_NEW_TOKENS,
-                            DEFAULT_SEED, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, MAX_NEW_TOKENS, METHODS, build_request)
+                            DEFAULT_SEED, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, MAX_NEW_TOKENS, METHODS, MIN_DRAFT_VOCAB,
+                            build_request)
 from engine.sampling import MAX_K, SettingsError
 from engine.vllm_config import METHODS as VLLM_METHODS, speculative_config
 from specconsole import charts
@@ -58,6 +59,7 @@ class RunSettings:
     k: gr.Slider
     dynamic_k: gr.Checkbox
     confidence: gr.Slider
+    draft_vocab: gr.Number
     fallback: gr.Checkbox
     top_p: gr.Slider
     seed: gr.Number
@@ -119,7 +121,7 @@ def _save_note(comp: Comparison) -> str:
 
 
 # Which control shows which of Request's drafting settings (engine.backend.DRAFTING_SETTINGS), in output order.
-DRAFTING_CONTROLS = ("method", "k", "dynamic_k", "draft_confidence", "fallback")
+DRAFTING_CONTROLS = ("method", "k", "dynamic_k", "draft_confidence", "draft_vocab", "fallback")
 
 
 def backend_view(host: ModelHost) -> list:
@@ -184,8 +186,8 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
     active: dict[str, Comparison] = {}  # session -> its running comparison, for Stop
     queued: dict[str, threading.Event] = {}  # session -> set by Stop while its run waits for another one
 
-    def run(prompt, category, method, k, dynamic_k, confidence, fallback, temperature, top_p, max_new, seed, mode,
-            show_rejected, compare_with, request: gr.Request):
+    def run(prompt, category, method, k, dynamic_k, confidence, draft_vocab, fallback, temperature, top_p, max_new,
+            seed, mode, show_rejected, compare_with, request: gr.Request):
         session = request.session_hash if request else "local"
         panel_run = uuid.uuid4().hex[:8]  # tells the page's panels that a new run starts
         if not host.ready:
@@ -195,7 +197,7 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
         try:
             req = build_request(prompt, max_new_tokens=max_new, temperature=temperature, top_p=top_p, seed=seed,
                                 method=method, k=k, dynamic_k=dynamic_k, draft_confidence=confidence,
-                                fallback=fallback)
+                                fallback=fallback, draft_vocab=draft_vocab)
             host.backend.validate(req)  # before anything runs or is saved
             caps = host.backend.capabilities
             # vLLM: the extra engines are its own servers; local: the chosen presets' drafting settings
@@ -309,6 +311,10 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
             with gr.Row():
                 confidence = gr.Slider(0.0, 0.95, value=DEFAULT_DRAFT_CONFIDENCE, step=0.05,
                                        label="Draft stops below confidence")
+                draft_vocab = gr.Number(value=0, precision=0, minimum=0, label="Draft vocabulary (FR-Spec, 0 = full)",
+                                        info="the draft model drafts among its N most frequent tokens only "
+                                             f"(N >= {MIN_DRAFT_VOCAB}); the target still checks every token")
+            with gr.Row():
                 fallback = gr.Checkbox(value=False, label="Fall back to plain decoding when it does not pay")
             with gr.Row():
                 temperature = gr.Slider(0.0, 1.5, value=DEFAULT_TEMPERATURE, step=0.05,
@@ -356,8 +362,8 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
 
     # --- events ----------------------------------------------------------------------------------------------------
 
-    inputs = [prompt, category, method, k, dynamic_k, confidence, fallback, temperature, top_p, max_new, seed, mode,
-              show_rejected, compare_with]
+    inputs = [prompt, category, method, k, dynamic_k, confidence, draft_vocab, fallback, temperature, top_p, max_new,
+              seed, mode, show_rejected, compare_with]
     # in outputs_of()'s order
     outputs = [base_panel, spec_panel, *extra_panels, *extra_columns, *extra_headings, figures, chart_steps,
                chart_pos, chart_tokens]
@@ -371,5 +377,6 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
     vllm_apply.click(reconfigure_vllm, [vllm_method, vllm_k, vllm_draft], vllm_status, concurrency_limit=1,
                      concurrency_id="engines")
 
-    settings = RunSettings(method, k, dynamic_k, confidence, fallback, top_p, seed, mode, show_rejected)
-    return RunTab(settings, run_event, [method, k, dynamic_k, confidence, fallback, vllm_section, compare_with])
+    settings = RunSettings(method, k, dynamic_k, confidence, draft_vocab, fallback, top_p, seed, mode, show_rejected)
+    return RunTab(settings, run_event, [method, k, dynamic_k, confidence, draft_vocab, fallback, vllm_section,
+                                        compare_with])

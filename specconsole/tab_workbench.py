@@ -47,7 +47,7 @@ def build(host: ModelHost, history: History, tab: gr.Tab, settings: RunSettings)
         return table, *figs[:4], text
 
     def run_suite_ui(cats_chosen, upload, n, max_tokens, variable, values, method, k, dynamic_k, confidence,
-                     fallback, top_p, seed, mode, repeats, request: gr.Request):
+                     draft_vocab, fallback, top_p, seed, mode, repeats, request: gr.Request):
         session = request.session_hash if request else "local"
         nothing = (gr.skip(),) * 7  # the suite id, the table, four charts and the advice stay as they are
         if not host.ready:
@@ -60,7 +60,8 @@ def build(host: ModelHost, history: History, tab: gr.Tab, settings: RunSettings)
             vals = [v.strip() for v in (values or "").split(",") if v.strip()] or None
             # the prompt and the temperature come from each suite entry
             base = build_request("", max_new_tokens=max_tokens, top_p=top_p, seed=seed, method=method, k=k,
-                                 dynamic_k=dynamic_k, draft_confidence=confidence, fallback=fallback)
+                                 dynamic_k=dynamic_k, draft_confidence=confidence, fallback=fallback,
+                                 draft_vocab=draft_vocab)
             job = SuiteJob(host.backend, history, items, base, mode, variable, vals, int(repeats))
             job.check()
         except (ValueError, SettingsError) as e:
@@ -160,7 +161,7 @@ def build(host: ModelHost, history: History, tab: gr.Tab, settings: RunSettings)
 
     s = settings
     suite_inputs = [suite_cats, suite_file, suite_n, suite_tokens, sweep_var, sweep_vals, s.method, s.k, s.dynamic_k,
-                    s.confidence, s.fallback, s.top_p, s.seed, s.mode, suite_repeats]
+                    s.confidence, s.draft_vocab, s.fallback, s.top_p, s.seed, s.mode, suite_repeats]
     suite_outputs = [suite_status, suite_id_box, suite_table, suite_speed, suite_acc, suite_lat, suite_conc,
                      advice_md]
     suite_event = suite_btn.click(run_suite_ui, suite_inputs, suite_outputs, concurrency_limit=1,

@@ -47,11 +47,11 @@ PRESETS = {
 
 
 def variant(base: Request, label: str, **changes) -> Variant:
-    """`base` with other drafting settings. The draft model's confidence means nothing to n-gram drafting, so it
-    is dropped there (as engine.request.build_request does)."""
+    """`base` with other drafting settings. The draft model's confidence and vocabulary mean nothing to n-gram
+    drafting, so they are dropped there (as engine.request.build_request does)."""
     req = replace(base, **changes)
     if req.method not in MODEL_METHODS:
-        req = replace(req, draft_confidence=0.0)
+        req = replace(req, draft_confidence=0.0, draft_vocab=0)
     if req.dynamic_k:
         req = replace(req, k_max=max(req.k_max, req.k))
     return Variant(label, req)

@@ -45,7 +45,7 @@ def test_vllm_backend_says_which_settings_it_ignores():
                                                  fair_strategy="sequential", fixed_variants=True)
     assert attached.variants() == {}  # two servers: no extra speculative engines
     assert set(attached.ignored_settings(Request(prompt="x"))) == {"method", "k", "dynamic_k", "fallback",
-                                                                    "draft_confidence"}
+                                                                    "draft_confidence", "draft_vocab"}
     assert attached.memory() is None
 
 

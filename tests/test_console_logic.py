@@ -291,8 +291,12 @@ def test_one_set_of_request_defaults():
     launch.add_request_args(suite, suite=True)
     assert launch.build_request(suite.parse_args([]), "", "draft") == r.build_request(
         "", max_new_tokens=r.SUITE_MAX_NEW_TOKENS)
-    req = r.build_request("p", max_new_tokens=12.0, seed="", k=20.0, method="ngram", draft_confidence=0.5)
-    assert (req.max_new_tokens, req.sampling.seed, req.k, req.k_max, req.draft_confidence) == (12, None, 20, 20, 0.0)
+    req = r.build_request("p", max_new_tokens=12.0, seed="", k=20.0, method="ngram", draft_confidence=0.5,
+                          draft_vocab=4096.0)
+    assert (req.max_new_tokens, req.sampling.seed, req.k, req.k_max, req.draft_confidence, req.draft_vocab) == (
+        12, None, 20, 20, 0.0, 0)
+    assert r.build_request("p", method="hybrid", draft_vocab=4096.0).draft_vocab == 4096
+    assert r.build_request("p", draft_vocab=None).draft_vocab == 0  # an emptied number box
 
 
 def test_page_greys_out_what_the_backend_does_not_apply(backend):

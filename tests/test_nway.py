@@ -243,12 +243,13 @@ def test_csv_exports_have_every_engine(backend, tmp_path):
 
 
 def test_compare_specs_and_presets():
-    base = Request(prompt="x", method="draft", k=5, dynamic_k=True, draft_confidence=0.4)
+    base = Request(prompt="x", method="draft", k=5, dynamic_k=True, draft_confidence=0.4, draft_vocab=4096)
     v = parse_compare("draft, ngram,draft:k=4,hybrid:dynamic", base)
     assert [x.label for x in v] == ["draft", "n-gram", "draft K=4", "hybrid dynamic K"]
     assert [(x.request.method, x.request.k, x.request.dynamic_k) for x in v] == [
         ("draft", 5, True), ("ngram", 5, True), ("draft", 4, False), ("hybrid", 5, True)]
     assert v[1].request.draft_confidence == 0.0 and v[2].request.draft_confidence == 0.4
+    assert [x.request.draft_vocab for x in v] == [4096, 0, 4096, 4096]  # n-gram drafting has no draft vocabulary
     assert all(x.request.prompt == "x" for x in v)
     from engine.sampling import SettingsError
 

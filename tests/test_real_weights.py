@@ -134,3 +134,27 @@ def test_hybrid_greedy_identical(smol_self_draft, dynamic_k):
     b, s = run(smol_self_draft, req, "baseline"), run(smol_self_draft, req, "speculative")
     assert s.output_ids == b.output_ids
     assert s.method == "hybrid" and {st.drafter for st in s.steps if st.drafted} == {"draft", "ngram"}
+
+
+@pytest.mark.parametrize("method,prompt", [("draft", PROMPTS[0]), ("hybrid", PROMPTS[1])], ids=["draft", "hybrid"])
+def test_pruned_draft_head_greedy_identical(smol_self_draft, method, prompt):
+    """FR-Spec on real int8 weights: the draft keeps the 8192 tokens most frequent in the standard library's source
+    (ranked once, then cached) and drafts only those; the output stays the baseline's."""
+    req = Request(prompt=prompt, max_new_tokens=40, method=method, k=4, dynamic_k=True, draft_vocab=8192)
+    b, s = run(smol_self_draft, req, "baseline"), run(smol_self_draft, req, "speculative")
+    assert s.output_ids == b.output_ids
+    kept = set(smol_self_draft.heads[8192].ids.tolist())
+    drafted = {t.token_id for t in s.tokens if t.kind in (TokenKind.ACCEPTED, TokenKind.REJECTED)
+               and s.steps[t.step].drafter == "draft"}
+    assert drafted and drafted <= kept
+    assert s.metrics["acceptance_rate"] > 0.3  # the kept tokens cover most of what the draft proposes
+
+
+def test_pruned_int8_head_gives_the_full_heads_logits(smol_self_draft):
+    from engine.forward import forward, new_cache
+
+    draft = smol_self_draft.draft.model
+    head = smol_self_draft.draft_head(8192)
+    ids = smol_self_draft.prompt_ids(Request(prompt=PROMPTS[0]))
+    full = forward(draft, ids, new_cache(draft), keep=2)
+    assert torch.equal(forward(draft, ids, new_cache(draft), keep=2, head=head), full[:, head.ids])

@@ -2,8 +2,9 @@
 
 Two levels: the rejection sampler alone on fixed distributions (many samples, cheap), and the whole speculative
 engine on a tiny 16-token model whose exact next-token distributions we can enumerate. Each level also runs a
-deliberately wrong variant (p and q swapped; top-p applied to the draft's sampling but not to the q it reports)
-and checks that the same statistical test catches it, so the test has the power to fail.
+deliberately wrong variant (p and q swapped; top-p applied to the draft's sampling but not to the q it reports;
+for a pruned draft head, q put at the wrong ids or taken from the full layer) and checks that the same statistical
+test catches it, so the test has the power to fail.
 """
 
 import pytest
@@ -19,6 +20,7 @@ from engine.sampling import SamplingParams, rejection_sample, warp
 from engine.stops import StopConditions
 from engine.forward import forward, new_cache
 from engine.optimize import prepare_draft, prepare_target
+from engine.vocab import prune_head
 from tests.conftest import CPU, tiny_llama
 
 ALPHA = 1e-3  # a correct sampler fails this test once in a thousand seeds; the seeds are fixed
@@ -122,6 +124,33 @@ class Hybrid(HybridProposer):
         super().__init__(DraftModelProposer(draft, vocab_size, params, generator), NgramProposer(1, 2))
 
 
+KEPT = torch.arange(1, V, 2)  # FR-Spec: a pruned draft keeps 8 of the 16 tokens; the target gives all 16 mass
+
+
+class Pruned(DraftModelProposer):
+    """FR-Spec: drafts among the kept tokens only, q = 0 at the others."""
+
+    def __init__(self, draft, vocab_size, params, generator):
+        super().__init__(draft, vocab_size, params, generator, head=prune_head(draft.lm_head, KEPT))
+
+
+class PrunedFullQ(Pruned):
+    """Drafts among the kept tokens but reports the full layer's q, as if the draft still had every token."""
+
+    def propose(self, ids, k, stop=None):
+        proposal = super().propose(ids, k, stop)
+        logits = torch.stack([forward_logits(self.model, ids + proposal.ids[:i]) for i in range(len(proposal.ids))])
+        proposal.probs = self._pad(warp(logits, self.params)[:, KEPT])  # the full q's kept entries, not renormalized
+        return proposal
+
+
+class PrunedUnscattered(Pruned):
+    """q over the kept tokens padded at the first ids instead of placed at the kept ones."""
+
+    def _pad(self, q):
+        return torch.nn.functional.pad(q, (0, self.vocab_size - q.shape[-1]))
+
+
 def forward_logits(model, ids):
     return forward(model, ids, new_cache(model), keep=1)[-1]
 
@@ -208,3 +237,13 @@ def test_engine_test_catches_swapped_p_and_q_with_hybrid_drafting(tiny16, monkey
 
     monkeypatch.setattr(engine.local, "rejection_sample", swapped_any)
     assert min(engine_pvalues(tiny16, Hybrid, length=4)) < ALPHA
+
+
+def test_engine_keeps_target_distribution_with_a_pruned_draft_head(tiny16):
+    assert min(engine_pvalues(tiny16, Pruned, length=4)) > ALPHA
+
+
+@pytest.mark.parametrize("bug", [PrunedFullQ, PrunedUnscattered])
+def test_engine_test_catches_a_wrong_q_for_a_pruned_draft_head(tiny16, bug):
+    # far off (p-values below 1e-40 from 1000 runs): 500 runs show it, in a sixth of the time
+    assert min(engine_pvalues(tiny16, bug, n=500, length=4)) < ALPHA
