@@ -23,7 +23,7 @@ class Preset:
     name: str
     target: str  # a name in engine.weights.SOURCES, a transformers model directory, or a .gguf file
     draft: str | None  # None: n-gram prompt lookup drafts
-    method: str  # "draft" | "ngram"
+    method: str  # the drafting method runs start with: "draft" | "ngram" | "hybrid"
     description: str
     int8_draft: bool = True
 
@@ -33,8 +33,8 @@ PRESETS = {
         "qwen-coder",
         "qwen2.5-coder-1.5b-instruct",
         "qwen2.5-coder-0.5b-instruct",
-        "draft",
-        "Qwen2.5-Coder-1.5B-Instruct target, Qwen2.5-Coder-0.5B-Instruct draft (int8 on CPU)",
+        "hybrid",  # prompt lookup where the text repeats, the draft model elsewhere: ahead of "draft" on unseen prompts
+        "Qwen2.5-Coder-1.5B-Instruct target, Qwen2.5-Coder-0.5B-Instruct draft (int8 on CPU), hybrid drafting",
     ),
     "smollm2-ngram": Preset(
         "smollm2-ngram",

@@ -9,8 +9,8 @@ Frequencies come from text we ship or every machine has: this project's README (
 chat answers are written) and the Python standard library's own source (code, comments and English docstrings),
 read in a fixed order up to CORPUS_CHARS, tokenized with the draft's tokenizer. Never the evaluation prompts
 (HumanEval, MT-Bench). Tokens the corpus never uses follow in id order, which for a BPE tokenizer is its merge
-order: roughly their frequency in the tokenizer's own training text. The ranking is cached per tokenizer under
-cache_dir()/vocab.
+order: roughly their frequency in the tokenizer's own training text. The ranking is cached per tokenizer and
+corpus under cache_dir()/vocab.
 """
 
 from __future__ import annotations
@@ -77,20 +77,24 @@ def rank_tokens(tokenizer, texts: list[str]) -> np.ndarray:
     return np.argsort(-counts, kind="stable").astype(np.int32)
 
 
-def _tokenizer_key(tokenizer) -> str:
-    vocab = json.dumps(sorted(tokenizer.get_vocab().items())).encode()
-    return f"{len(tokenizer)}-{hashlib.sha1(vocab).hexdigest()[:16]}-v{RANKING_VERSION}"
+def _key(tokenizer, texts: list[str]) -> str:
+    """Tokenizer and corpus: a ranking is reused only for the same vocabulary counted over the same text (an
+    edited README or another Python's standard library ranks anew, so a ranking always matches its corpus)."""
+    vocab = hashlib.sha1(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:12]
+    text = hashlib.sha1("\0".join(texts).encode()).hexdigest()[:12]
+    return f"{len(tokenizer)}-{vocab}-{text}-v{RANKING_VERSION}"
 
 
 def token_ranking(tokenizer) -> np.ndarray:
-    """rank_tokens over corpus(), built once per tokenizer and cached (a few seconds the first time)."""
-    path = cache_dir() / "vocab" / f"ranking-{_tokenizer_key(tokenizer)}.npy"
+    """rank_tokens over corpus(), built once per tokenizer and corpus and cached (a few seconds the first time)."""
+    texts = corpus()
+    path = cache_dir() / "vocab" / f"ranking-{_key(tokenizer, texts)}.npy"
     if path.exists():
         return np.load(path)
     log.info("FR-Spec: ranking %d tokens by their frequency in the README and the Python standard library (once, "
              "a few seconds)", len(tokenizer))
     t = time.perf_counter()
-    ranking = rank_tokens(tokenizer, corpus())
+    ranking = rank_tokens(tokenizer, texts)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial.npy")
     np.save(partial, ranking)

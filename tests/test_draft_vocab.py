@@ -50,8 +50,13 @@ def test_ranking_keeps_special_tokens_first_then_counts(smol_tokenizer):
 def test_ranking_is_built_once_and_cached(smol_tokenizer, small_corpus, tmp_path, monkeypatch):
     first = token_ranking(smol_tokenizer)
     assert len(list((tmp_path / "vocab").glob("ranking-49152-*.npy"))) == 1
+    rank = engine.vocab.rank_tokens
     monkeypatch.setattr(engine.vocab, "rank_tokens", lambda *a: pytest.fail("ranked again"))
     assert np.array_equal(token_ranking(smol_tokenizer), first)
+    monkeypatch.setattr(engine.vocab, "rank_tokens", rank)
+    monkeypatch.setattr(engine.vocab, "corpus", lambda: SMALL_CORPUS[:1])  # another corpus: ranked anew
+    token_ranking(smol_tokenizer)
+    assert len(list((tmp_path / "vocab").glob("ranking-49152-*.npy"))) == 2
 
 
 @pytest.mark.parametrize("int8", [False, True])
