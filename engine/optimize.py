@@ -28,6 +28,10 @@ from transformers import AttentionInterface
 
 log = logging.getLogger(__name__)
 
+# torch marks its quantized tensors deprecated; they are what its int8 Linears run on. (Set once here, not with
+# catch_warnings around each call: that is not thread-safe, and the draft loads beside the target.)
+warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+
 ROWWISE_MAX_QUERIES = 64  # above this a pass is a prefill: one fused causal attention call
 
 
@@ -111,9 +115,7 @@ def quantize_linear(linear: nn.Linear) -> nn.Module:
 
     observer = default_dynamic_qconfig.weight()
     observer(linear.weight)
-    with warnings.catch_warnings():  # torch marks its quantized tensors deprecated; they are what int8 Linears run on
-        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
-        qweight = _quantize_weight(linear.weight.float(), observer)
+    qweight = _quantize_weight(linear.weight.float(), observer)
     quantized = DynamicLinear(1, 1, dtype=torch.qint8)  # a 1x1 placeholder; the real weight is packed once below
     quantized.in_features, quantized.out_features = linear.in_features, linear.out_features
     quantized.set_weight_bias(qweight, None if linear.bias is None else linear.bias.detach())
