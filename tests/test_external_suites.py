@@ -148,11 +148,19 @@ def test_engine_order_alternates_between_repeats():
     assert speed.engine_order(1, False) == ["speculative", "baseline"]  # no draft model: HF is not run
 
 
-def rep(base_tps, speedup, hf_speedup=math.nan):
+def figures(speedup, hf_speedup, identical=True):
+    return {"speedup": speedup, "ours_vs_hf": speedup / hf_speedup, "identical": identical, "acceptance": 0.5,
+            "draft_ms_per_token": 10.0}
+
+
+def rep(base_tps, speedup, hf_speedup=math.nan, **variants):
+    """One repeat of one prompt as bench_prompt gives it; `variants`: name -> speedup of another configuration."""
     return {"baseline_tps": base_tps, "spec_tps": base_tps * speedup, "speedup": speedup, "acceptance": 0.5,
             "mean_accepted_length": 2.0, "bound": 2.0, "efficiency": 1.0, "hf_speedup": hf_speedup,
             "ours_vs_hf": speedup / hf_speedup, "identical": True,
-            "hf_identical": None if math.isnan(hf_speedup) else True}
+            "hf_identical": None if math.isnan(hf_speedup) else True,
+            "variants": {"main": figures(speedup, hf_speedup)}
+            | {name: figures(s, hf_speedup) for name, s in variants.items()}}
 
 
 def test_per_prompt_takes_the_median_of_within_repeat_ratios():
@@ -161,6 +169,24 @@ def test_per_prompt_takes_the_median_of_within_repeat_ratios():
     assert row["ours_vs_hf"] == 1.5  # median of 2.0, 1.5, 0.25: not 2.0 / 2.0, the ratio of the medians
     assert row["noise"] == pytest.approx(0.2)  # stdev 2 / mean 10
     assert math.isnan(speed.per_prompt([rep(10.0, 2.0)])["noise"])  # one repeat: no noise figure
+
+
+def test_variants_are_parsed_and_tabled_side_by_side():
+    assert speed.parse_variant("hybrid,draft_vocab=32768,dynamic_k=false") == {
+        "method": "hybrid", "draft_vocab": 32768, "dynamic_k": False}
+    with pytest.raises(SystemExit, match="not a setting"):
+        speed.parse_variant("hybrid,vocab=3")
+    assert speed.engine_order(1, True, {"hybrid": {}}) == ["hf_assisted", "hf", "variant:hybrid", "speculative",
+                                                           "baseline"]
+    he, math_ = {"suite": "humaneval", "category": "humaneval"}, {"suite": "mtbench", "category": "mtbench-math"}
+    prompts = [speed.per_prompt([rep(10.0, s, 2.0, hybrid=s * 1.5), rep(10.0, s, 2.0, hybrid=s * 1.5)]) | he
+               for s in (2.0, 3.0, 4.0)]
+    prompts += [speed.per_prompt([rep(10.0, 1.0, 2.0, hybrid=0.5)]) | math_]
+    text = speed.variants_table(prompts, {"main": "main", "hybrid": "hybrid"})
+    main_row, hybrid_row = text.splitlines()[2:4]
+    assert main_row.startswith("| main | 2.50 [") and "| 1.50 | 0.50 | mtbench-math 0.50 |" in main_row
+    assert hybrid_row.startswith("| hybrid | 3.75 [") and "| 2.25 | 0.25 | mtbench-math 0.25 |" in hybrid_row
+    assert hybrid_row.endswith("| 0.50 | 10.0 | 4/4 |")
 
 
 def test_groups_and_summaries_with_and_without_hf():
