@@ -14,6 +14,10 @@ import warnings
 import numpy as np
 import torch
 
+# torch warns on tensors over read-only arrays (a mapped GGUF file): ours are only read. Set once at import, not
+# with catch_warnings around each call, which is not thread-safe (draft and target load at the same time).
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
 QK_K = 256  # values per k-quant super-block
 CHUNK_BLOCKS = 1 << 14  # blocks dequantized at a time: bounds the temporaries to a few MB
 
@@ -102,9 +106,7 @@ def dequantize(data: np.ndarray, qtype: int) -> np.ndarray:
     values, size, kernel = KERNELS[qtype]
     raw = data.view(np.uint8)
     shape = (*raw.shape[:-1], raw.shape[-1] // size * values)
-    with warnings.catch_warnings():  # a read-only view of the mapped file: read, never written
-        warnings.simplefilter("ignore", UserWarning)
-        blocks = torch.from_numpy(raw.reshape(-1, size))
+    blocks = torch.from_numpy(raw.reshape(-1, size))  # a view of the (read-only) mapped file: never written
     out = torch.empty(blocks.shape[0], values, dtype=torch.float32)
     with torch.inference_mode():
         for i in range(0, blocks.shape[0], CHUNK_BLOCKS):
