@@ -7,7 +7,8 @@
 
 Figures: RSS and USS (psutil memory_full_info) once loaded and after a short greedy run on both engines; peak RSS
 (getrusage ru_maxrss) and peak USS (sampled every 0.1 s); seconds from process start (imports included) to a
-LocalBackend that can serve, and from `python launch.py` to the console's "Ready"; the preset's files in the cache. Timings on a shared machine are noisy; memory is not.
+LocalBackend that can serve, and from `python launch.py` to the console's "Ready"; the preset's files in the cache.
+Timings on a shared machine are noisy; memory is not.
 """
 
 from __future__ import annotations
