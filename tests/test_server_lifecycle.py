@@ -55,8 +55,10 @@ def records(tmp_path, monkeypatch):
 
 
 def start_console(port: int, tmp_path: Path) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    # default SIGHUP even when the tests run under nohup (which makes children ignore it): the console must die of it
     console = subprocess.Popen([sys.executable, "-c", CONSOLE, str(port), STAND_IN, str(tmp_path)], cwd=ROOT,
-                               stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                               stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                               preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     guard = psutil.Process(int(console.stdout.readline()))
     deadline = time.monotonic() + 30
     while len(guard.children(recursive=True)) < 2:  # the stand-in and its child
@@ -80,7 +82,7 @@ def test_server_dies_with_its_console(tmp_path, records, how):
     console.send_signal(how)
     console.wait(10)
     assert_all_gone(processes, port)
-    record_port(free_ports(1)[0], "baseline", os.getpgid(0))  # the next start drops the record of the gone server
+    record_port(free_ports(1)[0], "baseline", os.getpid())  # the next start drops the record of the gone server
     assert not (records / f"{port}.json").exists()
 
 
