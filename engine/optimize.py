@@ -109,18 +109,25 @@ def quantize_linear(linear: nn.Linear) -> nn.Module:
     """The module quantize_dynamic(..., {nn.Linear}, torch.qint8) swaps in for `linear` (same observer, same int8
     weights), built without first packing a blank full-size weight as torch's constructor does: that packing was a
     third of the draft's load time."""
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
     from torch.ao.nn.quantized.modules.utils import _quantize_weight
     from torch.ao.quantization.qconfig import default_dynamic_qconfig
 
     observer = default_dynamic_qconfig.weight()
     observer(linear.weight)
     qweight = _quantize_weight(linear.weight.float(), observer)
-    quantized = DynamicLinear(1, 1, dtype=torch.qint8)  # a 1x1 placeholder; the real weight is packed once below
-    quantized.in_features, quantized.out_features = linear.in_features, linear.out_features
-    quantized.set_weight_bias(qweight, None if linear.bias is None else linear.bias.detach())
-    quantized.has_bias = linear.bias is not None  # for sizes: asking the packed weight unpacks it (slow)
-    return quantized
+    return int8_linear(qweight, None if linear.bias is None else linear.bias.detach())
+
+
+def int8_linear(qweight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+    """A dynamic int8 Linear over a quantized weight [out, in], packed once (torch's constructor would first pack a
+    blank weight of the full size)."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    layer = DynamicLinear(1, 1, dtype=torch.qint8)  # a 1x1 placeholder; the real weight is packed once below
+    layer.out_features, layer.in_features = qweight.shape
+    layer.set_weight_bias(qweight, bias)
+    layer.has_bias = bias is not None  # for sizes: asking the packed weight unpacks it (slow)
+    return layer
 
 
 def linear_converter(role: str, device: torch.device, strict: bool = False, int8: bool = False):

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from engine.optimize import int8_linear
 from engine.sampling import SettingsError
 from engine.weights import cache_dir
 
@@ -130,8 +131,7 @@ def prune_head(head: nn.Module, ids: torch.Tensor) -> PrunedHead:
         weight, bias = head.weight(), head.bias()
         if weight.qscheme() != torch.per_tensor_affine:
             raise SettingsError(f"FR-Spec prunes per-tensor int8 output layers, not {weight.qscheme()}")
-        layer = quantized(head.in_features, len(ids), bias_=bias is not None, dtype=torch.qint8)
-        layer.set_weight_bias(weight[ids], None if bias is None else bias[ids])
+        layer = int8_linear(weight[ids], None if bias is None else bias[ids])
     elif isinstance(head, nn.Linear):
         ids = ids.to(head.weight.device)
         layer = nn.Linear(head.in_features, len(ids), bias=head.bias is not None, device=head.weight.device,
