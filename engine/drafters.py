@@ -30,7 +30,8 @@ class Proposal:
 class DraftModelProposer:
     """A smaller model from the same tokenizer family proposes up to k tokens autoregressively. It stops early when
     it is unsure: a draft token whose draft probability is below `confidence` is likely to be rejected, and every
-    token drafted after it would be wasted; or when the policy's DraftStop says one more token would not pay.
+    token drafted after it would be wasted; or when the policy's DraftStop says one more token would not pay (it
+    counts an unsure token as worth nothing, and goes on past it only where a longer pass verifies faster).
     (Any rule that depends only on the draft's own state keeps the rejection sampler exact.) With a pruned output
     layer (`head`, FR-Spec) it drafts among the kept ids only, and q is 0 at every other id."""
 
@@ -67,7 +68,8 @@ class DraftModelProposer:
                 confidence = float(q[i])
             token = i if self.head is None else int(self.head.ids[i])
             drafts.append(token)
-            if confidence < self.confidence or (stop is not None and not stop.more(confidence)):
+            unsure = confidence < self.confidence  # likely rejected, and every token drafted after it wasted
+            if stop is None and unsure or stop is not None and not stop.more(0.0 if unsure else confidence):
                 break
             feed = [token]
         # the last draft token was never fed: it sits in no cache yet

@@ -36,6 +36,7 @@ class LocalBackend:
             check_pair(target, draft)
         self.target, self.draft = target, draft
         self.target_step_ms: float | None = None  # measured by baseline runs; lets the fallback judge from step 1
+        self.verify_ms: dict[int, float] = {}  # target pass over m tokens -> ms, learned by speculative runs
         self.heads: dict[int, PrunedHead] = {}  # FR-Spec: the draft's pruned output layer per vocabulary size
 
     @classmethod
@@ -140,7 +141,7 @@ class LocalBackend:
         if req.method == "hybrid":
             lookup = NgramProposer(req.hybrid_min_match, max(req.ngram_max, req.hybrid_min_match))
             proposer = HybridProposer(proposer, lookup)
-        policy = SpecPolicy(req.policy(), target_step_ms=self.target_step_ms)
+        policy = SpecPolicy(req.policy(), target_step_ms=self.target_step_ms, verify_ms=self.verify_ms)
         yield from generate_speculative(
             t.model, t.tokenizer, proposer, ids, req.sampling, self.stops(req), policy, cancel, clock
         )

@@ -13,9 +13,14 @@ shrinks to k_min. The cost of a plain step comes from the backend's baseline run
 Per-token stopping (`per_token`, for a draft model, which knows how sure it is of each token): instead of fixing K
 in advance, the draft keeps going while one more token is expected to raise tokens per millisecond. After n drafts
 with draft confidences a_1..a_n, the step is expected to commit E_n = 1 + sum_i (a_1 * ... * a_i) tokens at cost
-C_n = n*(draft + verify per token) + one target step; one more draft adds (a_1 * ... * a_n) * alpha tokens. On code
-it drafts long runs of sure tokens and stops at the first doubtful one; K (= k_max) is only the ceiling. The rule
-looks only at the draft's own state, so the rejection sampler stays exact.
+C_n = n*draft + verify(n+1); one more draft adds (a_1 * ... * a_n) * alpha tokens. On code it drafts long runs of
+sure tokens and stops at the first doubtful one; K (= k_max) is only the ceiling. The rule looks only at the
+draft's own state and at measured costs, so the rejection sampler stays exact.
+
+verify(m), the time of one target pass over m tokens, is measured per m (the backend keeps it across runs), not
+assumed linear: on our 2-core CPU the prepacked oneDNN kernels took ~320 ms for m = 2 but ~260 ms for m = 3-6, so a
+1-token draft is the dearest to verify, and one more draft token there pays even when it will likely be rejected.
+Where an m has not been seen yet, verify(m) is the linear estimate: one plain step + beta * (m - 1).
 
 Fallback: when the tokens per second of the last few speculative steps fall below what plain decoding delivers,
 switch speculation off for `cooldown` plain steps, then try again. Every decision is returned as a PolicyEvent for
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from engine.events import PolicyAction, PolicyEvent, StepRecord
 from engine.metrics import acceptance_alpha, expected_tokens_per_pass
@@ -69,12 +75,16 @@ class PolicyConfig:
 class SpecPolicy:
     """One run's policy: its PolicyConfig and what the run has measured and decided so far."""
 
-    def __init__(self, config: PolicyConfig, target_step_ms: float | None = None):
+    def __init__(self, config: PolicyConfig, target_step_ms: float | None = None,
+                 verify_ms: dict[int, float] | None = None):
         self.config = config
         self.current_k = config.k
         self.target_step_ms = target_step_ms  # one plain decoding step: from the backend's baseline runs, or measured
         self.draft_ms_per_token: float | None = None
         self.verify_ms_per_token: float | None = None  # beta * target_step_ms
+        # one target pass over m tokens (m = drafts + 1) -> its measured ms; the backend passes the same dict to
+        # every run, so the costs learned in one run serve the next
+        self.verify_ms = {} if verify_ms is None else verify_ms
         self.recent: deque[StepRecord] = deque(maxlen=config.window)  # the last speculative steps
         self.plain_left = 0  # plain steps left before speculation resumes
         self.seen_first = False
@@ -110,8 +120,13 @@ class SpecPolicy:
         """A fresh per-token stopping rule for the next step (None while K decides)."""
         if not self.stops_per_token:
             return None
-        return DraftStop(acceptance_alpha(self.recent), self.draft_ms_per_token + (self.verify_ms_per_token or 0.0),
-                         self.target_step_ms)
+        return DraftStop(acceptance_alpha(self.recent), self.draft_ms_per_token, self.verify_cost)
+
+    def verify_cost(self, m: int) -> float:
+        """ms of one target pass over m tokens: measured for this m, else one plain step + beta * (m - 1)."""
+        if m in self.verify_ms:
+            return self.verify_ms[m]
+        return self.target_step_ms + (self.verify_ms_per_token or 0.0) * (m - 1)
 
     def goodput(self, k: int, alpha: float) -> float:
         """Expected tokens per plain-step time at draft length k (1.0 = plain decoding)."""
@@ -129,6 +144,7 @@ class SpecPolicy:
             self.seen_first = True
             return []
         self.draft_ms_per_token = _ema(self.draft_ms_per_token, step.draft_ms / step.drafted)
+        self.verify_ms[step.drafted + 1] = _ema(self.verify_ms.get(step.drafted + 1), step.verify_ms)
         decisions = []
         if self.target_step_ms:
             extra = max(0.0, step.verify_ms - self.target_step_ms) / step.drafted
@@ -188,17 +204,25 @@ def _event(step: StepRecord, action: PolicyAction, k: int, reason: str) -> Polic
 class DraftStop:
     """One step's per-token stopping rule (see the module docstring): `more(a)` after each draft token."""
 
-    def __init__(self, alpha: float, token_ms: float, target_step_ms: float):
+    def __init__(self, alpha: float, draft_ms: float, verify_ms: Callable[[int], float]):
         self.alpha = alpha  # acceptance of a token not drafted yet: the recent per-token rate
-        self.token_ms = token_ms  # one more draft token: drafting it plus its share of the verify pass
+        self.draft_ms = draft_ms  # drafting one more token
+        self.verify_ms = verify_ms  # m -> one target pass over m tokens (m = drafts + 1)
+        self.drafted = 0
         self.survive = 1.0  # probability that every draft so far is accepted
         self.tokens = 1.0  # expected tokens committed if drafting stops now (the target's own token included)
-        self.cost = target_step_ms  # expected cost of the step if drafting stops now
+
+    def cost(self, n: int) -> float:
+        """Expected ms of the step with n drafts."""
+        return n * self.draft_ms + self.verify_ms(n + 1)
 
     def more(self, confidence: float) -> bool:
-        """Account for a draft token the draft gave `confidence`; True if drafting another one pays."""
+        """Account for a draft token the draft gave `confidence`; True if drafting another one pays. A confidence of
+        0 (a token below the draft's confidence floor) adds nothing: one more draft then pays only if it makes the
+        step cheaper, where a longer pass verifies faster."""
+        self.drafted += 1
         self.survive *= confidence
         self.tokens += self.survive
-        self.cost += self.token_ms
         gain = self.survive * self.alpha
-        return (self.tokens + gain) / (self.cost + self.token_ms) > self.tokens / self.cost
+        n = self.drafted
+        return (self.tokens + gain) / self.cost(n + 1) > self.tokens / self.cost(n)

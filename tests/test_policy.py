@@ -70,8 +70,13 @@ def test_no_fallback_when_speculation_pays():
         assert policy.observe(spec_step(4, 4)) == []
 
 
+def flat(ms):
+    """A verify cost that does not grow with the tokens verified."""
+    return lambda m: ms
+
+
 def drafted_until_stop(confidences, token_ms, alpha=0.8, target_ms=100.0):
-    stop = DraftStop(alpha, token_ms, target_ms)
+    stop = DraftStop(alpha, token_ms, flat(target_ms))
     for n, a in enumerate(confidences, 1):
         if not stop.more(a):
             return n
@@ -94,8 +99,32 @@ def test_draft_stop_follows_the_costs():
 def test_draft_stop_rule_by_hand():
     """After one draft at confidence 0.5: E = 1.5 tokens for 100 + 20 ms; one more adds 0.5 * 0.8 = 0.4 tokens
     for 20 ms: 1.9 / 140 > 1.5 / 120, so go on. At confidence 0.2: 1.36 / 140 < 1.2 / 120, so stop."""
-    assert DraftStop(0.8, 20.0, 100.0).more(0.5) is True
-    assert DraftStop(0.8, 20.0, 100.0).more(0.2) is False
+    assert DraftStop(0.8, 20.0, flat(100.0)).more(0.5) is True
+    assert DraftStop(0.8, 20.0, flat(100.0)).more(0.2) is False
+
+
+def test_draft_stop_reads_the_measured_verify_cost_of_each_length():
+    """A kernel that verifies 2 tokens (1 draft) slower than 3: a second draft token makes the step cheaper, so the
+    rule drafts it even after a token worth nothing (0: below the draft's confidence floor); then it stops."""
+    curve = {2: 320.0, 3: 260.0, 4: 262.0}.get
+    stop = DraftStop(0.5, 30.0, curve)
+    assert stop.more(0.0) is True  # 1 token for 30 + 320 ms, or 1 token for 60 + 260 ms
+    assert stop.more(0.9) is False  # nothing can follow a token worth nothing: one more only costs
+    linear = DraftStop(0.5, 30.0, lambda m: 280.0 + 10 * (m - 1))
+    assert linear.more(0.0) is False  # where longer passes cost more, an unsure token ends the draft
+
+
+def test_policy_learns_the_verify_cost_per_length_and_shares_it():
+    shared = {}
+    policy = SpecPolicy(PolicyConfig(k=4, dynamic=True, k_max=16), target_step_ms=100.0, verify_ms=shared)
+    assert policy.verify_cost(3) == 100.0  # nothing measured: one plain step (+ beta * 2, beta unknown yet)
+    policy.observe(spec_step(2, 1, verify_ms=150.0))  # the first step also prefilled the draft: not a cost sample
+    policy.observe(spec_step(2, 1, verify_ms=90.0))
+    policy.observe(spec_step(4, 1, verify_ms=140.0))
+    assert shared == {3: 90.0, 5: 140.0} and policy.verify_cost(3) == 90.0
+    assert policy.verify_cost(2) == 100.0 + policy.verify_ms_per_token  # unseen: the linear estimate
+    later = SpecPolicy(PolicyConfig(k=4, dynamic=True, k_max=16), target_step_ms=100.0, verify_ms=shared)
+    assert later.verify_cost(5) == 140.0  # the next run starts from what this one measured
 
 
 def test_per_token_policy_drafts_up_to_k_max_once_costs_are_known():

@@ -114,7 +114,19 @@ class StopsWhenUnsure(DraftModelProposer):
     """Ends its draft by the policy's per-token rule, which reads the draft's confidence q(x) in its own token."""
 
     def propose(self, ids, k, stop=None):
-        return super().propose(ids, k, DraftStop(alpha=0.8, token_ms=40.0, target_step_ms=100.0))
+        return super().propose(ids, k, DraftStop(alpha=0.8, draft_ms=40.0, verify_ms=lambda m: 100.0))
+
+
+class StopsUnsureOnACurve(DraftModelProposer):
+    """The per-token rule with a confidence floor and a verify cost that falls from 2 to 3 tokens: tokens below the
+    floor count as worth nothing, and the draft goes on past them only where that makes the step cheaper."""
+
+    def __init__(self, draft, vocab_size, params, generator):
+        super().__init__(draft, vocab_size, params, generator, confidence=0.3)
+
+    def propose(self, ids, k, stop=None):
+        curve = {2: 150.0}  # one target pass over m tokens: 150 ms for m = 2, else 100 ms
+        return super().propose(ids, k, DraftStop(alpha=0.8, draft_ms=10.0, verify_ms=lambda m: curve.get(m, 100.0)))
 
 
 class Hybrid(HybridProposer):
@@ -214,6 +226,10 @@ def test_engine_keeps_target_distribution(tiny16):
 
 def test_engine_keeps_target_distribution_when_the_draft_stops_by_confidence(tiny16):
     assert min(engine_pvalues(tiny16, StopsWhenUnsure, length=5)) > ALPHA
+
+
+def test_engine_keeps_target_distribution_with_a_floor_and_a_verify_curve(tiny16):
+    assert min(engine_pvalues(tiny16, StopsUnsureOnACurve, length=5)) > ALPHA
 
 
 def test_engine_test_catches_swapped_p_and_q(tiny16, monkeypatch):
