@@ -18,8 +18,9 @@ sure tokens and stops at the first doubtful one; K (= k_max) is only the ceiling
 draft's own state and at measured costs, so the rejection sampler stays exact.
 
 verify(m), the time of one target pass over m tokens, is measured per m (the backend keeps it across runs), not
-assumed linear: on our 2-core CPU the prepacked oneDNN kernels took ~320 ms for m = 2 but ~260 ms for m = 3-6, so a
-1-token draft is the dearest to verify, and one more draft token there pays even when it will likely be rejected.
+assumed linear: on our 2-core CPU the prepacked oneDNN kernels took ~310 ms for m = 2 but 220-245 ms for m = 3-6
+(`python -m benchmarks.pass_cost`), so a 1-token draft is the dearest to verify, and one more draft token there pays
+even when it will likely be rejected.
 Where an m has not been seen yet, verify(m) is the linear estimate: one plain step + beta * (m - 1).
 
 Fallback: when the tokens per second of the last few speculative steps fall below what plain decoding delivers,
@@ -62,6 +63,7 @@ class PolicyConfig:
     window: int = 8  # speculative steps that the acceptance estimate and the fallback look at
     cooldown: int = 16  # plain steps before speculation is tried again
     cap_steps: int = 4  # dynamic K: the draft-length cap looks this many speculative steps back (0: no cap)
+    verify_curve: bool = True  # DraftStop reads verify(m) measured per m (False: linear in m)
 
     def validate(self) -> None:
         if not 1 <= self.k_min <= self.k_max <= MAX_K:
@@ -123,8 +125,9 @@ class SpecPolicy:
         return DraftStop(acceptance_alpha(self.recent), self.draft_ms_per_token, self.verify_cost)
 
     def verify_cost(self, m: int) -> float:
-        """ms of one target pass over m tokens: measured for this m, else one plain step + beta * (m - 1)."""
-        if m in self.verify_ms:
+        """ms of one target pass over m tokens: measured for this m, else (or with verify_curve off) one plain step
+        + beta * (m - 1)."""
+        if self.config.verify_curve and m in self.verify_ms:
             return self.verify_ms[m]
         return self.target_step_ms + (self.verify_ms_per_token or 0.0) * (m - 1)
 

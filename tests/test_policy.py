@@ -125,6 +125,8 @@ def test_policy_learns_the_verify_cost_per_length_and_shares_it():
     assert policy.verify_cost(2) == 100.0 + policy.verify_ms_per_token  # unseen: the linear estimate
     later = SpecPolicy(PolicyConfig(k=4, dynamic=True, k_max=16), target_step_ms=100.0, verify_ms=shared)
     assert later.verify_cost(5) == 140.0  # the next run starts from what this one measured
+    linear = SpecPolicy(PolicyConfig(k=4, dynamic=True, verify_curve=False), target_step_ms=100.0, verify_ms=shared)
+    assert linear.verify_cost(5) == 100.0  # the curve off: one plain step + beta * 4 (beta not measured in this run)
 
 
 def test_per_token_policy_drafts_up_to_k_max_once_costs_are_known():

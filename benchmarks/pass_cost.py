@@ -1,0 +1,75 @@
+"""Micro-benchmark: how long one target forward pass over m tokens takes, m = 1 (a plain step) to k_max + 1 (a full
+verify), the curve that the per-token draft stop reads (engine.policy: verify(m), learned per m during runs).
+
+    python -m benchmarks.pass_cost                       # the default target: Qwen2.5-Coder-1.5B, prepacked float32
+    python -m benchmarks.pass_cost --sizes 1 2 3 4 8 17 --rounds 20
+
+Loads the target once, as the engine does. A warm KV cache of --context tokens (the start of engine/drafters.py),
+then one pass of m tokens, the cache cropped back after it; the sizes take turns round by round, so that a drift in
+the machine's speed favours none. Prints the median ms per m and its ratio to a plain step (m = 1). On a shared
+machine the times are noisy; run it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from engine.forward import forward, new_cache, rollback
+from engine.models import load
+
+log = logging.getLogger("pass_cost")
+TARGET = "qwen2.5-coder-1.5b-instruct"
+
+
+def pass_ms(model, context: list[int], sizes: list[int], rounds: int) -> dict[int, float]:
+    """Median ms of one forward pass over m tokens after `context`, per m; the sizes take turns."""
+    cache = new_cache(model)
+    forward(model, context, cache, keep=1)
+    times: dict[int, list[float]] = {m: [] for m in sizes}
+    for i in range(rounds + 2):
+        for m in sizes:
+            t = time.perf_counter()
+            forward(model, context[:m], cache, keep=m)  # any m tokens: the cost does not depend on which
+            if i >= 2:  # the first calls pay one-off costs
+                times[m].append(1000 * (time.perf_counter() - t))
+            rollback(cache, len(context))
+    return {m: statistics.median(ts) for m, ts in times.items()}
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", default=TARGET, help="target model (a known name, a directory or a .gguf file)")
+    p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8, 10, 12, 17],
+                   help="tokens per pass (m = drafts + 1)")
+    p.add_argument("--context", type=int, default=200, help="tokens in the KV cache before each pass")
+    p.add_argument("--rounds", type=int, default=12, help="timed passes per size")
+    args = p.parse_args(argv)
+
+    target = load(args.target, "target")
+    source = (Path(__file__).resolve().parent.parent / "engine" / "drafters.py").read_text()
+    context = target.tokenizer(source, add_special_tokens=False)["input_ids"][: args.context]
+    if max(args.sizes) > len(context):
+        raise SystemExit(f"--sizes: at most {len(context)} tokens per pass with --context {args.context}")
+    with torch.inference_mode():
+        ms = pass_ms(target.model, context, args.sizes, args.rounds)
+
+    out = sys.stdout
+    out.write(f"\nTarget {target.name} on {target.device}; one forward pass over m tokens after {len(context)} "
+              f"cached tokens, median of {args.rounds}; {torch.get_num_threads()} threads.\n\n")
+    out.write("| m (drafts + 1) | ms / pass | vs a plain step |\n| --- | --- | --- |\n")
+    for m, value in ms.items():
+        base = ms.get(1)
+        out.write(f"| {m} | {value:.1f} | {value / base:.2f}x |\n" if base else f"| {m} | {value:.1f} | n/a |\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
