@@ -28,8 +28,8 @@ log = logging.getLogger("pass_cost")
 TARGET = "qwen2.5-coder-1.5b-instruct"
 
 
-def pass_ms(model, context: list[int], sizes: list[int], rounds: int) -> dict[int, float]:
-    """Median ms of one forward pass over m tokens after `context`, per m; the sizes take turns."""
+def pass_ms(model, context: list[int], sizes: list[int], rounds: int) -> dict[int, list[float]]:
+    """ms of each timed forward pass over m tokens after `context`, per m; the sizes take turns."""
     cache = new_cache(model)
     forward(model, context, cache, keep=1)
     times: dict[int, list[float]] = {m: [] for m in sizes}
@@ -40,7 +40,7 @@ def pass_ms(model, context: list[int], sizes: list[int], rounds: int) -> dict[in
             if i >= 2:  # the first calls pay one-off costs
                 times[m].append(1000 * (time.perf_counter() - t))
             rollback(cache, len(context))
-    return {m: statistics.median(ts) for m, ts in times.items()}
+    return times
 
 
 def main(argv=None) -> int:
@@ -64,10 +64,14 @@ def main(argv=None) -> int:
     out = sys.stdout
     out.write(f"\nTarget {target.name} on {target.device}; one forward pass over m tokens after {len(context)} "
               f"cached tokens, median of {args.rounds}; {torch.get_num_threads()} threads.\n\n")
-    out.write("| m (drafts + 1) | ms / pass | vs a plain step |\n| --- | --- | --- |\n")
-    for m, value in ms.items():
-        base = ms.get(1)
-        out.write(f"| {m} | {value:.1f} | {value / base:.2f}x |\n" if base else f"| {m} | {value:.1f} | n/a |\n")
+    out.write("| m (drafts + 1) | ms / pass (median) | interquartile range | vs a plain step |\n"
+              "| --- | --- | --- | --- |\n")
+    base = statistics.median(ms[1]) if 1 in ms else None
+    for m, times in ms.items():
+        value = statistics.median(times)
+        q1, _, q3 = statistics.quantiles(times, n=4)
+        ratio = f"{value / base:.2f}x" if base else "n/a"
+        out.write(f"| {m} | {value:.1f} | {q1:.1f}-{q3:.1f} | {ratio} |\n")
     return 0
 
 

@@ -18,7 +18,7 @@ sure tokens and stops at the first doubtful one; K (= k_max) is only the ceiling
 draft's own state and at measured costs, so the rejection sampler stays exact.
 
 verify(m), the time of one target pass over m tokens, is measured per m (the backend keeps it across runs), not
-assumed linear: on our 2-core CPU the prepacked oneDNN kernels took ~310 ms for m = 2 but 220-245 ms for m = 3-6
+assumed linear: on our 2-core CPU the prepacked oneDNN kernels took ~310 ms for m = 2 but 215-240 ms for m = 3-6
 (`python -m benchmarks.pass_cost`), so a 1-token draft is the dearest to verify, and one more draft token there pays
 even when it will likely be rejected. Where an m has not been seen yet, verify(m) is the linear estimate: one plain
 step + beta * (m - 1).
