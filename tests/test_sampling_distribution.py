@@ -15,7 +15,7 @@ import engine.local
 from engine.drafters import DraftModelProposer, HybridProposer, NgramProposer
 from engine.events import RunResult
 from engine.local import generate_speculative
-from engine.policy import DraftStop, PolicyConfig, SpecPolicy
+from engine.policy import Calibration, DraftStop, PolicyConfig, SpecPolicy
 from engine.sampling import SamplingParams, rejection_sample, warp
 from engine.stops import StopConditions
 from engine.forward import forward, new_cache
@@ -190,14 +190,14 @@ def exact_marginals(target, params, length):
     return marginals
 
 
-def sampled_outputs(target, draft, proposer_cls, n, length, seed):
+def sampled_outputs(target, draft, proposer_cls, n, length, seed, policy=lambda: SpecPolicy(PolicyConfig(k=3))):
     torch.manual_seed(seed)
     outs = []
     for i in range(n):
         params = SamplingParams(temperature=PARAMS.temperature, top_p=PARAMS.top_p, seed=seed * 100000 + i)
         proposer = proposer_cls(draft, V, params, None)
         *_, result = generate_speculative(
-            target, _Tok(), proposer, PROMPT, params, StopConditions(length), SpecPolicy(PolicyConfig(k=3))
+            target, _Tok(), proposer, PROMPT, params, StopConditions(length), policy()
         )
         assert isinstance(result, RunResult) and result.error is None, result.error
         outs.append(result.output_ids)
@@ -211,12 +211,12 @@ class _Tok:
         return "".join(chr(65 + i) for i in ids)
 
 
-def engine_pvalues(tiny16, proposer_cls, n=3000, seed=5, length=3):
+def engine_pvalues(tiny16, proposer_cls, n=3000, seed=5, length=3, **policy):
     """Token 1 comes from the prefill, tokens 2..length from speculation steps (the first drafts length - 2,
     so that K >= 2 when length >= 4); one p-value per position."""
     target, draft = tiny16
     marg = exact_marginals(target, PARAMS, length)
-    outs = sampled_outputs(target, draft, proposer_cls, n, length, seed)
+    outs = sampled_outputs(target, draft, proposer_cls, n, length, seed, **policy)
     return [chi2_pvalue(outs[:, i], marg[i]) for i in range(1, length)]
 
 
@@ -230,6 +230,20 @@ def test_engine_keeps_target_distribution_when_the_draft_stops_by_confidence(tin
 
 def test_engine_keeps_target_distribution_with_a_floor_and_a_verify_curve(tiny16):
     assert min(engine_pvalues(tiny16, StopsUnsureOnACurve, length=5)) > ALPHA
+
+
+def test_engine_keeps_target_distribution_with_a_calibrated_stop(tiny16):
+    """The policy's own per-token stop, reading a Calibration that every run before has taught (the draft length
+    then depends on earlier runs' outcomes, never on the target's view of the current draft)."""
+    shared = Calibration(prior=1.0)
+
+    def policy():
+        p = SpecPolicy(PolicyConfig(k=3, dynamic=True, k_max=4), target_step_ms=100.0, calibration=shared)
+        p.draft_ms_per_token = 10.0  # the rule is in charge from the first step
+        return p
+
+    assert min(engine_pvalues(tiny16, DraftModelProposer, length=5, policy=policy)) > ALPHA
+    assert sum(shared.seen) > 1000  # it did learn: the stops read a moving calibration
 
 
 def test_engine_test_catches_swapped_p_and_q(tiny16, monkeypatch):
