@@ -13,7 +13,7 @@ from engine.events import Event, RunResult
 from engine.local import generate_baseline, generate_speculative, score_outputs
 from engine.models import PRESETS, LoadedModel, ModelError, Preset, check_pair, encode_prompt, load, pick_device
 from engine.backend import Capabilities
-from engine.policy import Calibration, SpecPolicy
+from engine.policy import SpecPolicy
 from engine.request import MIN_DRAFT_VOCAB, MODEL_METHODS, Request
 from engine.sampling import SettingsError
 from engine.stops import StopConditions
@@ -37,9 +37,6 @@ class LocalBackend:
         self.target, self.draft = target, draft
         self.target_step_ms: float | None = None  # measured by baseline runs; lets the fallback judge from step 1
         self.verify_ms: dict[int, float] = {}  # target pass over m tokens -> ms, learned by speculative runs
-        # draft confidence -> acceptance, learned by speculative runs; one per sampling setting and draft vocabulary
-        # (a greedy token's acceptance is not a sampled one's)
-        self.calibrations: dict[tuple, Calibration] = {}
         self.heads: dict[int, PrunedHead] = {}  # FR-Spec: the draft's pruned output layer per vocabulary size
 
     @classmethod
@@ -144,10 +141,7 @@ class LocalBackend:
         if req.method == "hybrid":
             lookup = NgramProposer(req.hybrid_min_match, max(req.ngram_max, req.hybrid_min_match))
             proposer = HybridProposer(proposer, lookup)
-        s = req.sampling
-        calibration = self.calibrations.setdefault((s.temperature, s.top_k, s.top_p, req.draft_vocab), Calibration())
-        policy = SpecPolicy(req.policy(), target_step_ms=self.target_step_ms, verify_ms=self.verify_ms,
-                            calibration=calibration)
+        policy = SpecPolicy(req.policy(), target_step_ms=self.target_step_ms, verify_ms=self.verify_ms)
         yield from generate_speculative(
             t.model, t.tokenizer, proposer, ids, req.sampling, self.stops(req), policy, cancel, clock
         )

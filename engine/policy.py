@@ -23,12 +23,6 @@ assumed linear: on our 2-core CPU the prepacked oneDNN kernels took ~310 ms for 
 even when it will likely be rejected. Where an m has not been seen yet, verify(m) is the linear estimate from the
 longest shorter pass measured: verify(n) + beta * (m - n) (one plain step + beta * (m - 1) before any).
 
-The draft's confidence is not its acceptance: on MT-Bench prose the Qwen 0.5B draft's greedy tokens at confidence
-0.4-0.7 were accepted 61-76 % of the time (438 tokens, 8 prompts), so the raw product stopped drafts too early.
-With `calibrate`, DraftStop reads a token's acceptance from a Calibration learned online from this backend's earlier
-steps: per confidence bin, how many drafted tokens the target accepted (a token counts once all before it were
-accepted), starting from the raw confidence as a prior. It reads only finished steps, so the output stays exact.
-
 Fallback: when the tokens per second of the last few speculative steps fall below what plain decoding delivers,
 switch speculation off for `cooldown` plain steps, then try again. Every decision is returned as a PolicyEvent for
 the engine to stream and record.
@@ -70,7 +64,6 @@ class PolicyConfig:
     cooldown: int = 16  # plain steps before speculation is tried again
     cap_steps: int = 4  # dynamic K: the draft-length cap looks this many speculative steps back (0: no cap)
     verify_curve: bool = True  # DraftStop reads verify(m) measured per m (False: linear in m)
-    calibrate: bool = True  # DraftStop reads a token's acceptance from the learned Calibration (False: raw confidence)
 
     def validate(self) -> None:
         if not 1 <= self.k_min <= self.k_max <= MAX_K:
@@ -85,7 +78,7 @@ class SpecPolicy:
     """One run's policy: its PolicyConfig and what the run has measured and decided so far."""
 
     def __init__(self, config: PolicyConfig, target_step_ms: float | None = None,
-                 verify_ms: dict[int, float] | None = None, calibration: "Calibration | None" = None):
+                 verify_ms: dict[int, float] | None = None):
         self.config = config
         self.current_k = config.k
         self.target_step_ms = target_step_ms  # one plain decoding step: from the backend's baseline runs, or measured
@@ -94,8 +87,6 @@ class SpecPolicy:
         # one target pass over m tokens (m = drafts + 1) -> its measured ms; the backend passes the same dict to
         # every run, so the costs learned in one run serve the next
         self.verify_ms = {} if verify_ms is None else verify_ms
-        self.calibration = Calibration() if calibration is None else calibration  # shared across runs, as verify_ms
-        self.stop: DraftStop | None = None  # the rule handed out for the step in flight: it saw the confidences
         self.recent: deque[StepRecord] = deque(maxlen=config.window)  # the last speculative steps
         self.plain_left = 0  # plain steps left before speculation resumes
         self.seen_first = False
@@ -129,12 +120,9 @@ class SpecPolicy:
 
     def draft_stop(self) -> "DraftStop | None":
         """A fresh per-token stopping rule for the next step (None while K decides)."""
-        self.stop = None
         if not self.stops_per_token:
             return None
-        accept = self.calibration.acceptance if self.config.calibrate else None
-        self.stop = DraftStop(acceptance_alpha(self.recent), self.draft_ms_per_token, self.verify_cost, accept)
-        return self.stop
+        return DraftStop(acceptance_alpha(self.recent), self.draft_ms_per_token, self.verify_cost)
 
     def verify_cost(self, m: int) -> float:
         """ms of one target pass over m tokens: measured for this m; else beta per token more than the longest
@@ -162,9 +150,6 @@ class SpecPolicy:
             return self._observe_plain(step)
         cfg = self.config
         self.recent.append(step)
-        if self.stop is not None and len(self.stop.seen) == step.drafted:  # not an n-gram step of the hybrid
-            self.calibration.observe(self.stop.seen, step.accepted)
-        self.stop = None
         if not self.seen_first:  # the first draft pass also prefilled the prompt: not a per-token cost
             self.seen_first = True
             return []
@@ -229,13 +214,10 @@ def _event(step: StepRecord, action: PolicyAction, k: int, reason: str) -> Polic
 class DraftStop:
     """One step's per-token stopping rule (see the module docstring): `more(a)` after each draft token."""
 
-    def __init__(self, alpha: float, draft_ms: float, verify_ms: Callable[[int], float],
-                 accept: Callable[[float], float] | None = None):
+    def __init__(self, alpha: float, draft_ms: float, verify_ms: Callable[[int], float]):
         self.alpha = alpha  # acceptance of a token not drafted yet: the recent per-token rate
         self.draft_ms = draft_ms  # drafting one more token
         self.verify_ms = verify_ms  # m -> one target pass over m tokens (m = drafts + 1)
-        self.accept = accept  # confidence -> expected acceptance (Calibration.acceptance); None: the confidence
-        self.seen: list[float] = []  # the confidences passed to more(), for the policy's Calibration
         self.drafted = 0
         self.survive = 1.0  # probability that every draft so far is accepted
         self.tokens = 1.0  # expected tokens committed if drafting stops now (the target's own token included)
@@ -248,43 +230,9 @@ class DraftStop:
         """Account for a draft token the draft gave `confidence`; True if drafting another one pays. A confidence of
         0 (a token below the draft's confidence floor) adds nothing: one more draft then pays only if it makes the
         step cheaper, where a longer pass verifies faster."""
-        self.seen.append(confidence)
         self.drafted += 1
-        self.survive *= self.accept(confidence) if self.accept else confidence
+        self.survive *= confidence
         self.tokens += self.survive
         gain = self.survive * self.alpha
         n = self.drafted
         return (self.tokens + gain) / self.cost(n + 1) > self.tokens / self.cost(n)
-
-
-class Calibration:
-    """How often the target accepted a draft token, per bin of the draft's confidence in it: the draft's own
-    probability is a biased estimate (too low in the middle range for the Qwen pair). Learned online from finished
-    steps; each bin starts from its raw confidence as a prior worth `prior` tokens, so an empty bin means the raw
-    confidence."""
-
-    def __init__(self, bins: int = 10, prior: float = 4.0):
-        self.bins, self.prior = bins, prior
-        self.accepted = [0] * bins
-        self.seen = [0] * bins
-
-    def _bin(self, confidence: float) -> int:
-        return min(int(confidence * self.bins), self.bins - 1)
-
-    def acceptance(self, confidence: float) -> float:
-        """Expected acceptance of a token the draft gave `confidence`; 0 stays 0 (a token below the floor is
-        counted as worth nothing)."""
-        if confidence <= 0.0:
-            return 0.0
-        b = self._bin(confidence)
-        return (self.accepted[b] + self.prior * confidence) / (self.seen[b] + self.prior)
-
-    def observe(self, confidences: list[float], accepted: int) -> None:
-        """One step's draft confidences and how many of its drafts the target accepted. A token counts only where
-        every token before it was accepted (after the first rejection nothing is verified); floor tokens (0) are
-        not learned from."""
-        for i, c in enumerate(confidences[: accepted + 1]):
-            if c > 0.0:
-                b = self._bin(c)
-                self.seen[b] += 1
-                self.accepted[b] += i < accepted

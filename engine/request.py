@@ -32,7 +32,6 @@ class Request:
     draft_confidence: float = 0.0  # stop drafting after a token the draft itself gives less than this (0 = off)
     per_token: bool = True  # with dynamic K, a draft model stops by policy.DraftStop (False: K from the i.i.d. model)
     verify_curve: bool = True  # DraftStop reads each length's measured verify cost (False: linear in length)
-    calibrate: bool = True  # DraftStop reads each token's learned acceptance (False: the draft's raw confidence)
     ngram_min: int = 1
     ngram_max: int = 4
     hybrid_min_match: int = HYBRID_MIN_MATCH  # hybrid: the shortest n-gram match that is trusted over the draft model
@@ -63,8 +62,7 @@ class Request:
     def policy(self) -> PolicyConfig:
         k_max = max(self.k_max, self.k) if self.dynamic_k else self.k
         return PolicyConfig(k=self.k, dynamic=self.dynamic_k, k_max=k_max, fallback=self.fallback,
-                            per_token=self.per_token and self.method in MODEL_METHODS, verify_curve=self.verify_curve,
-                            calibrate=self.calibrate)
+                            per_token=self.per_token and self.method in MODEL_METHODS, verify_curve=self.verify_curve)
 
 
 # --- one request builder --------------------------------------------------------------------------------------------

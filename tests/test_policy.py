@@ -1,7 +1,7 @@
 """The K policy and the fallback, on constructed step records."""
 
 from engine.events import PolicyAction, StepRecord
-from engine.policy import Calibration, DraftStop, PolicyConfig, SpecPolicy
+from engine.policy import DraftStop, PolicyConfig, SpecPolicy
 from engine.request import Request
 
 
@@ -130,47 +130,6 @@ def test_policy_learns_the_verify_cost_per_length_and_shares_it():
     assert later.verify_cost(5) == 140.0  # the next run starts from what this one measured
     linear = SpecPolicy(PolicyConfig(k=4, dynamic=True, verify_curve=False), target_step_ms=100.0, verify_ms=shared)
     assert linear.verify_cost(5) == 100.0  # the curve off: one plain step + beta * 4 (beta not measured in this run)
-
-
-def test_calibration_learns_acceptance_per_confidence_bin():
-    cal = Calibration(bins=10, prior=4.0)
-    assert cal.acceptance(0.55) == 0.55 and cal.acceptance(0.0) == 0.0  # nothing seen: the raw confidence
-    for i in range(8):  # a draft under-confident at 0.5-0.6: its 0.55 tokens were accepted 7 times in 8
-        cal.observe([0.55, 0.95, 0.3], accepted=2 if i else 0)
-    # bin 5: 7 of 8 accepted + the prior 4 * 0.55 -> 9.2 / 12; bin 9 saw 7 tokens, all accepted
-    assert abs(cal.acceptance(0.52) - (7 + 4 * 0.52) / 12) < 1e-9 and cal.acceptance(0.97) > 0.97
-    # only tokens up to the first rejection count: the third token was the rejected one in 7 steps, never reached
-    # in the step that rejected the first
-    assert cal.seen[3] == 7 and cal.accepted[3] == 0
-    cal.observe([0.0, 0.5], accepted=1)  # a floor token (0) teaches nothing and stays worth nothing
-    assert cal.seen[0] == 0 and cal.acceptance(0.0) == 0.0
-
-
-def test_draft_stop_goes_on_where_the_calibration_says_the_draft_is_better_than_it_thinks():
-    """At confidence 0.2 the raw rule stops (see the rule by hand); if such tokens were accepted 60 % of the time,
-    E = 1.6 tokens for 120 ms, one more adds 0.6 * 0.8 for 20 ms: 2.08 / 140 > 1.6 / 120, so go on."""
-    assert DraftStop(0.8, 20.0, flat(100.0), accept=lambda c: 0.6).more(0.2) is True
-    assert DraftStop(0.8, 20.0, flat(100.0), accept=None).more(0.2) is False
-
-
-def test_policy_calibrates_from_the_steps_its_stops_saw_and_shares_it():
-    shared = Calibration()
-    policy = SpecPolicy(PolicyConfig(k=4, dynamic=True, k_max=16), target_step_ms=100.0, calibration=shared)
-    for _ in range(3):  # costs measured: the per-token rule is in charge
-        policy.observe(spec_step(4, 2, draft_ms=20.0))
-    for _ in range(10):
-        stop = policy.draft_stop()
-        stop.more(0.45), stop.more(0.45)
-        policy.observe(spec_step(2, 2, draft_ms=20.0))  # both accepted, every time
-    assert shared.seen[4] == 20 and shared.acceptance(0.45) > 0.85
-    policy.draft_stop()
-    policy.observe(spec_step(3, 0, draft_ms=20.0))  # a hybrid's n-gram step: the stop saw none of its drafts
-    assert shared.seen[4] == 20
-    later = SpecPolicy(PolicyConfig(k=4, dynamic=True, k_max=16, calibrate=False), target_step_ms=100.0,
-                       calibration=shared)
-    later.draft_ms_per_token = 20.0
-    assert later.draft_stop().accept is None  # switched off: the raw confidence
-    assert policy.draft_stop().accept == shared.acceptance
 
 
 def test_per_token_policy_drafts_up_to_k_max_once_costs_are_known():
