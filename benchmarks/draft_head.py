@@ -18,11 +18,10 @@ import logging
 import statistics
 import sys
 import time
-from pathlib import Path
-
 import torch
 
-from engine.forward import forward, new_cache, rollback
+from benchmarks.timing import code_context, forward_ms_in_turns
+from engine.forward import forward, new_cache
 from engine.models import encode_prompt, load
 from engine.vocab import kept_ids, prune_head, token_ranking
 
@@ -33,16 +32,9 @@ COVERAGE_SUITES = ("code", "chat", "summarization")
 
 def step_ms(model, heads: dict, context: list[int], steps: int) -> dict[int, float]:
     """Median ms of one draft step (1 token after `context`) per head; the heads take turns."""
-    cache = new_cache(model)
-    forward(model, context[:-1], cache, keep=1)
-    times: dict[int, list[float]] = {n: [] for n in heads}
-    for i in range(steps + 3):
-        for n, head in heads.items():
-            t = time.perf_counter()
-            forward(model, context[-1:], cache, keep=1, head=head)
-            if i >= 3:  # the first calls pay one-off costs
-                times[n].append(1000 * (time.perf_counter() - t))
-            rollback(cache, len(context) - 1)
+    configs = {n: (lambda cache, head=head: forward(model, context[-1:], cache, keep=1, head=head))
+               for n, head in heads.items()}
+    times = forward_ms_in_turns(model, context[:-1], configs, steps, warmup=3)
     return {n: statistics.median(ts) for n, ts in times.items()}
 
 
@@ -88,8 +80,7 @@ def main(argv=None) -> int:
         heads[n] = prune_head(model.get_output_embeddings(), ids)
         log.info("pruned head N=%d built in %.2f s", n, time.perf_counter() - t)
 
-    source = (Path(__file__).resolve().parent.parent / "engine" / "drafters.py").read_text()
-    context = tokenizer(source, add_special_tokens=False)["input_ids"][: args.context]
+    context = code_context(tokenizer, args.context)
     ms = step_ms(model, heads, context, args.steps)
     cov = {}
     if args.coverage_tokens:

@@ -16,31 +16,21 @@ import argparse
 import logging
 import statistics
 import sys
-import time
-from pathlib import Path
 
 import torch
 
-from engine.forward import forward, new_cache, rollback
+from benchmarks.timing import code_context, forward_ms_in_turns
+from engine.forward import forward
 from engine.models import load
 
-log = logging.getLogger("pass_cost")
 TARGET = "qwen2.5-coder-1.5b-instruct"
 
 
 def pass_ms(model, context: list[int], sizes: list[int], rounds: int) -> dict[int, list[float]]:
     """ms of each timed forward pass over m tokens after `context`, per m; the sizes take turns."""
-    cache = new_cache(model)
-    forward(model, context, cache, keep=1)
-    times: dict[int, list[float]] = {m: [] for m in sizes}
-    for i in range(rounds + 2):
-        for m in sizes:
-            t = time.perf_counter()
-            forward(model, context[:m], cache, keep=m)  # any m tokens: the cost does not depend on which
-            if i >= 2:  # the first calls pay one-off costs
-                times[m].append(1000 * (time.perf_counter() - t))
-            rollback(cache, len(context))
-    return times
+    # any m tokens: the cost does not depend on which
+    configs = {m: (lambda cache, m=m: forward(model, context[:m], cache, keep=m)) for m in sizes}
+    return forward_ms_in_turns(model, context, configs, rounds, warmup=2)
 
 
 def main(argv=None) -> int:
@@ -54,8 +44,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     target = load(args.target, "target")
-    source = (Path(__file__).resolve().parent.parent / "engine" / "drafters.py").read_text()
-    context = target.tokenizer(source, add_special_tokens=False)["input_ids"][: args.context]
+    context = code_context(target.tokenizer, args.context)
     if max(args.sizes) > len(context):
         raise SystemExit(f"--sizes: at most {len(context)} tokens per pass with --context {args.context}")
     with torch.inference_mode():
