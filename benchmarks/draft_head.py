@@ -18,6 +18,7 @@ import logging
 import statistics
 import sys
 import time
+
 import torch
 
 from benchmarks.timing import code_context, forward_ms_in_turns
