@@ -69,9 +69,11 @@ class Trace:
 
 
 def record(target, draft, tokenizer, category: str, context: list[int], max_new_tokens: int,
-           depth: int = HF_MAX_DRAFT) -> tuple[Trace, list[float]]:
-    """The trace of one prompt, and the ms of each single-token draft pass taken to record it."""
-    *_, run = generate_baseline(target, tokenizer, context, SamplingParams(), StopConditions(max_new_tokens))
+           eos_ids: frozenset[int] = frozenset(), depth: int = HF_MAX_DRAFT) -> tuple[Trace, list[float]]:
+    """The trace of one prompt, and the ms of each single-token draft pass taken to record it. The output ends where
+    the engines' would: at an end-of-sequence token or after max_new_tokens."""
+    stops = StopConditions(max_new_tokens, eos_ids)
+    *_, run = generate_baseline(target, tokenizer, context, SamplingParams(), stops)
     output, text = run.output_ids, context + run.output_ids
     drafts, confidence, ms = [], [], []
     cache = new_cache(draft)
@@ -195,7 +197,8 @@ def main(argv=None) -> int:
     with torch.inference_mode():
         for _, item in tqdm(plan, desc="recording outputs and draft continuations", unit="prompt"):
             context = encode_prompt(tokenizer, item.prompt, True, item.earlier_turns)
-            trace, ms = record(target, draft, tokenizer, item.category, context, args.max_new_tokens)
+            trace, ms = record(target, draft, tokenizer, item.category, context, args.max_new_tokens,
+                               backend.target.eos_ids)
             traces.append(trace)
             draft_times += ms
     draft_ms = statistics.median(draft_times)

@@ -54,6 +54,15 @@ def test_replayed_steps_are_the_engines(tiny_pair, smol_tokenizer, tiny_trace, k
     assert {a for _, a in rule.steps} > {0}  # some drafts were kept, some rejected at once
 
 
+def test_the_record_ends_where_the_engine_stops(tiny_pair, smol_tokenizer, tiny_trace):
+    """An end-of-sequence token ends the recorded output, as it ends the engine's (a run past it is another text)."""
+    target, draft = tiny_pair
+    eos = tiny_trace.output[12]
+    trace, _ = record(target, draft, smol_tokenizer, "tiny", PROMPT, 40, frozenset({eos}))
+    assert trace.output == tiny_trace.output[:tiny_trace.output.index(eos) + 1]
+    assert len(trace.drafts) == len(trace.output)
+
+
 def test_modelled_time_is_drafts_plus_verify_passes():
     # output 1..8; after each prefix the draft proposes the next two tokens right, then a wrong one it is unsure of
     output = list(range(1, 9))
