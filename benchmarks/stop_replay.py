@@ -54,7 +54,7 @@ log = logging.getLogger("benchmarks.stop_replay")
 
 FLOOR = DEFAULT_DRAFT_CONFIDENCE  # 0.4, as HF assisted generation's assistant_confidence_threshold
 HF_MAX_DRAFT = 20  # HF assisted generation's num_assistant_tokens
-PAST_FLOOR = 6  # recorded draft tokens after the first one below the floor: a rule may draft on where passes get cheaper
+PAST_FLOOR = 6  # draft tokens recorded past the first one below the floor: a rule may draft on where passes are cheaper
 
 
 @dataclass
@@ -108,7 +108,8 @@ def accepted(drafts: list[int], output: list[int], i: int) -> int:
     return n
 
 
-def floor_drafts(trace: Trace, i: int, budget: int, k: int = HF_MAX_DRAFT, floor: float = FLOOR) -> tuple[list[int], str]:
+def floor_drafts(trace: Trace, i: int, budget: int, k: int = HF_MAX_DRAFT,
+                 floor: float = FLOOR) -> tuple[list[int], str]:
     """Up to k drafts, through the first one below `floor` (as DraftModelProposer.propose without a DraftStop). With
     its defaults this is HF assisted generation's rule: up to 20 tokens, ending at one below 0.4."""
     n = 0
@@ -212,12 +213,13 @@ def main(argv=None) -> int:
         rows.append(row)
 
     out = sys.stdout
-    out.write(f"\nDraft-stop rules replayed (a model of the time, not a measurement): {describe_prompts(plan, args.sample_seed)};"
-              f" greedy, {args.max_new_tokens} new tokens; default preset; {machine()}; "
+    out.write(f"\nDraft-stop rules replayed (a model of the time, not a measurement): "
+              f"{describe_prompts(plan, args.sample_seed)}; greedy, {args.max_new_tokens} new tokens; default preset; "
+              f"{machine()}; "
               f"{time.strftime('%Y-%m-%d %H:%M')}.\nverify(m) in ms, median of {args.rounds} passes: "
               + ", ".join(f"{m}: {v:.0f}" for m, v in curve.items()) + f"; draft {draft_ms:.1f} ms per token.\n\n")
-    out.write("| prompt | category | tokens | passes HF / ours / cold | ms per token HF / ours / cold | ours/HF | cold/HF |\n"
-              "| --- | --- | --- | --- | --- | --- | --- |\n")
+    out.write("| prompt | category | tokens | passes HF / ours / cold | ms per token HF / ours / cold | ours/HF | "
+              "cold/HF |\n| --- | --- | --- | --- | --- | --- | --- |\n")
     for n, (trace, row) in enumerate(zip(traces, rows), 1):
         ms = " / ".join(f"{row[r][0]:.0f}" for r in RULES)
         passes = " / ".join(str(row[r][1]) for r in RULES)

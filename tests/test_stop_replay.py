@@ -75,7 +75,7 @@ def test_modelled_time_is_drafts_plus_verify_passes():
     assert total == pytest.approx(2 * (3 * 10.0 + 130.0) + 100.0)
 
 
-def test_ours_drafts_within_the_budget(tiny_trace):
+def test_ours_takes_fewer_passes_than_plain_decoding(tiny_trace):
     curve = {m: 100.0 + 5 * m for m in range(1, 22)}
     total, passes = replay(tiny_trace, Ours(curve, known=True), curve, draft_ms=5.0)
     cold_total, cold_passes = replay(tiny_trace, Ours(curve, known=False), curve, draft_ms=5.0)
