@@ -37,9 +37,8 @@ from tqdm import tqdm
 from benchmarks.pass_cost import pass_ms
 from benchmarks.speed import describe_prompts, machine
 from benchmarks.timing import code_context
-from engine.drafters import NgramProposer
+from engine.drafters import DraftModelProposer, NgramProposer
 from engine.events import StepRecord
-from engine.forward import forward, new_cache, rollback
 from engine.local import generate_baseline
 from engine.local_backend import LocalBackend
 from engine.models import DEFAULT_PRESET, PRESETS, encode_prompt
@@ -68,36 +67,37 @@ class Trace:
     confidence: list[list[float]]  # the draft's probability of each of those tokens
 
 
+class _Recorder:
+    """A DraftStop stand-in for DraftModelProposer.propose: notes each draft token's confidence, and lets the draft go
+    on until PAST_FLOOR tokens follow the first one below the floor."""
+
+    def __init__(self):
+        self.confidence: list[float] = []
+
+    def more(self, confidence: float) -> bool:
+        self.confidence.append(confidence)
+        first = next((j for j, c in enumerate(self.confidence) if c < FLOOR), None)
+        return first is None or len(self.confidence) <= first + PAST_FLOOR
+
+
 def record(target, draft, tokenizer, category: str, context: list[int], max_new_tokens: int,
            eos_ids: frozenset[int] = frozenset(), depth: int = HF_MAX_DRAFT) -> tuple[Trace, list[float]]:
-    """The trace of one prompt, and the ms of each single-token draft pass taken to record it. The output ends where
-    the engines' would: at an end-of-sequence token or after max_new_tokens."""
+    """The trace of one prompt, and the draft's ms per drafted token of each continuation recorded. The output ends
+    where the engines' would: at an end-of-sequence token or after max_new_tokens. The continuations come from the
+    engine's own greedy draft loop (DraftModelProposer), which keeps its KV cache across prefixes."""
     stops = StopConditions(max_new_tokens, eos_ids)
     *_, run = generate_baseline(target, tokenizer, context, SamplingParams(), stops)
-    output, text = run.output_ids, context + run.output_ids
+    output = run.output_ids
+    proposer = DraftModelProposer(draft, target.config.vocab_size, SamplingParams(), None)
     drafts, confidence, ms = [], [], []
-    cache = new_cache(draft)
-    forward(draft, context[:-1], cache, keep=1)
     for i in range(len(output)):
-        rollback(cache, len(context) + i - 1)
-        feed, ids, conf = [text[len(context) + i - 1]], [], []
-        while len(ids) < depth and not _past_floor(conf):
-            start = time.perf_counter()
-            logits = forward(draft, feed, cache, keep=1)[-1]  # [V]
-            ms.append(1000 * (time.perf_counter() - start))
-            token = int(logits.argmax())
-            ids.append(token)
-            conf.append(float(torch.softmax(logits, -1)[token]))
-            feed = [token]
-        drafts.append(ids)
-        confidence.append(conf)
+        recorder, prefix = _Recorder(), context + output[:i]
+        proposer.update(prefix[:-1])  # the engine always feeds at least the newest token: never an empty feed
+        start = time.perf_counter()
+        drafts.append(proposer.propose(prefix, depth, recorder).ids)
+        ms.append(1000 * (time.perf_counter() - start) / len(drafts[-1]))
+        confidence.append(recorder.confidence)
     return Trace(category, context, output, drafts, confidence), ms
-
-
-def _past_floor(confidence: list[float]) -> bool:
-    """Whether PAST_FLOOR tokens are recorded after the first one below the floor."""
-    first = next((j for j, c in enumerate(confidence) if c < FLOOR), None)
-    return first is not None and len(confidence) > first + PAST_FLOOR
 
 
 def accepted(drafts: list[int], output: list[int], i: int) -> int:
@@ -194,7 +194,7 @@ def main(argv=None) -> int:
     log.info("timing one target pass over m = 1..%d tokens, %d rounds", sizes[-1], args.rounds)
     times = pass_ms(target, code_context(tokenizer, 200), sizes, args.rounds)
     curve = {m: statistics.median(t) for m, t in times.items()}
-    traces, draft_times = [], []
+    traces, draft_times = [], []  # draft ms per drafted token, as the engine counts it (catch-up included)
     with torch.inference_mode():
         for _, item in tqdm(plan, desc="recording outputs and draft continuations", unit="prompt"):
             context = encode_prompt(tokenizer, item.prompt, True, item.earlier_turns)
