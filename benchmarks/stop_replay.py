@@ -150,19 +150,20 @@ class Ours:
 
 
 def replay(trace: Trace, rule, curve: dict[int, float], draft_ms: float) -> tuple[float, int]:
-    """Modelled ms and target passes of the decode after the first token (which the prefill commits)."""
-    i, total, passes = 1, 0.0, 0
+    """Modelled ms and target passes of one request. Step 0 drafts from the prompt, and its target pass reads the
+    prompt with the drafts (as the engines do): the prefill, whose time is left out for every rule."""
+    i, total, step = 0, 0.0, 0
     while i < len(trace.output):
         drafts, drafter = rule(trace, i, len(trace.output) - i - 1)  # a step commits up to drafts + 1
         a = accepted(drafts, trace.output, i)
         ms_draft = len(drafts) * draft_ms if drafter == "draft" else 0.0  # a lookup costs next to nothing
-        ms_verify = curve[len(drafts) + 1]
+        ms_verify = curve[len(drafts) + 1] if step else 0.0
         total += ms_draft + ms_verify
-        passes += 1
         if hasattr(rule, "observe"):
-            rule.observe(StepRecord(passes, len(drafts), a, a + 1, ms_draft, ms_verify, 0.0, drafter))
+            rule.observe(StepRecord(step, len(drafts), a, a + 1, ms_draft, ms_verify, 0.0, drafter))
+        step += 1
         i += a + 1
-    return total, passes
+    return total, step
 
 
 RULES = {"hf": lambda curve: floor_drafts, "ours": lambda curve: Ours(curve, known=True),
@@ -209,7 +210,7 @@ def main(argv=None) -> int:
         row = {}
         for name, make in RULES.items():
             total, passes = replay(trace, make(curve), curve, draft_ms)
-            row[name] = (total / max(1, len(trace.output) - 1), passes)
+            row[name] = (total / len(trace.output), passes)
         rows.append(row)
 
     out = sys.stdout

@@ -8,7 +8,8 @@ the target scores them all in a single forward pass:
     recovered  the target's own token at the first rejected position (sampled from norm(max(0, p - q))).
     bonus      the target's extra token after all K drafts were kept (sampled from p).
     baseline   a token from plain decoding: one target forward pass, one token, no draft involved (the
-               baseline engine, the first token after prefill, and steps where speculation is switched off).
+               baseline engine, the prefill's token when step 0 had no drafts, and steps where speculation is
+               switched off).
     pending    a token streamed by a server that tells the kinds only when the request ends (vLLM): a
                Reclassified event then gives its kind, or it stays pending if the server never says.
 
@@ -39,7 +40,7 @@ class TokenEvent:
     kind: TokenKind
     token_id: int
     text: str  # the token's piece of the output text ("" while a multi-byte character is incomplete)
-    step: int  # speculation step (one target forward pass); step 0 is the prefill
+    step: int  # speculation step (one target forward pass); step 0 reads the prompt (and any drafts after it)
     position: int  # position inside the step: 0..K
     time_s: float  # seconds since the run started
     index: int | None = None  # index in the output; None for rejected tokens

@@ -18,13 +18,16 @@ def rollback(cache: DynamicCache, length: int) -> None:
 
 
 @torch.inference_mode()
-def forward(model, ids: list[int], cache: DynamicCache, keep: int, head=None) -> torch.Tensor:
+def forward(model, ids: list[int], cache: DynamicCache, keep: int, head=None, prompt_rows: int | None = None
+            ) -> torch.Tensor:
     """Feed `ids` after what the cache holds; return the logits of the last `keep` positions, [keep, V] float32.
     `head` (a draft's engine.vocab.PrunedHead) replaces the model's output layer: [keep, N], and the full layer
-    never runs."""
+    never runs. `prompt_rows`: the first pass reads the prompt and drafts after it; the prompt is its first
+    `prompt_rows` ids (the target's rowwise attention then treats the two parts as their own passes would)."""
     x = torch.tensor([ids], dtype=torch.long, device=model.device)  # [1, T]
     if head is not None:
         hidden = model.model(input_ids=x, cache=cache, use_cache=True).last_hidden_state  # [1, T, H], normed
         return head(hidden[0, -keep:]).float()
-    out = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=keep)
+    extra = {} if prompt_rows is None else {"prompt_rows": prompt_rows}
+    out = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=keep, **extra)
     return out.logits[0, -keep:].float()

@@ -141,23 +141,20 @@ def generate_speculative(
     policy: SpecPolicy, cancel: threading.Event | None = None, clock: Callable[[], float] = time.perf_counter,
 ) -> Iterator[Event]:
     """Speculative decoding: the proposer drafts K tokens, the target verifies them in one forward pass and
-    commits the accepted prefix plus one token of its own."""
+    commits the accepted prefix plus one token of its own.
+
+    Step 0 drafts from the prompt alone, and the target reads the prompt and those drafts in one pass (its prefill);
+    a request then costs no target pass more than its steps. (With K = 0 step 0 is the baseline's prefill.)"""
     run = _Recorder("speculative", proposer.method, tokenizer, prompt_ids, stops, clock)
     try:
         g = _generator(params, model.device)
         if hasattr(proposer, "generator"):
             proposer.generator = g  # one seeded stream for draft and target: a seed reproduces the run
         cache = new_cache(model)
-        t = time.perf_counter()
-        logits = forward(model, prompt_ids, cache, keep=1)  # the baseline's prefill call, so caches agree
-        run.result.prefill_ms = _ms_since(t)
-        token, p = next_token(logits[-1], params, g)
-        yield run.commit(TokenKind.BASELINE, token, 0, 0, p=None if params.greedy else p)
-        yield run.step(0, 0, 0, 1, 0.0, run.result.prefill_ms)
         step = 0
         while not run.done and not (cancel is not None and cancel.is_set()):
-            step += 1
             ids = run.ids
+            read = cache.get_seq_length()  # the target has read all committed ids but the last (at step 0: none)
             k = min(policy.next_k(), run.transcript.remaining - 1)  # a step commits up to k+1: never overshoot
             t = time.perf_counter()
             proposal = proposer.propose(ids, k, policy.draft_stop()) if k > 0 else Proposal([], None)
@@ -165,8 +162,13 @@ def generate_speculative(
             draft_ms = _ms_since(t)
 
             t = time.perf_counter()
-            logits = forward(model, [ids[-1]] + drafts, cache, keep=len(drafts) + 1)  # [K+1, V]
+            # [K+1, V]: the logits after the last committed id and after each draft. At step 0 the prompt's rows are
+            # computed as the baseline's prefill computes them, so that the caches agree.
+            logits = forward(model, ids[read:] + drafts, cache, keep=len(drafts) + 1,
+                             prompt_rows=len(ids) if read == 0 else None)
             verify_ms = _ms_since(t)
+            if step == 0:
+                run.result.prefill_ms = verify_ms
 
             K = len(drafts)
             p_all = None if params.greedy else warp(logits, params)  # [K+1, V]
@@ -200,6 +202,7 @@ def generate_speculative(
             for event in policy.observe(record):
                 run.result.policy.append(event)
                 yield event
+            step += 1
     except Exception as e:  # noqa: BLE001 - the run is saved as failed, with what it produced so far
         log.exception("speculative run failed")
         yield run.finish(error=e)

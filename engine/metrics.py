@@ -36,7 +36,9 @@ def run_metrics(r: RunResult) -> dict:
     out = r.output_tokens
     n = len(out)
     spec = [s for s in r.steps if s.drafted > 0]
-    plain = [s for s in r.steps[1:] if s.drafted == 0]  # decoding steps without drafts (step 0 is the prefill)
+    # what decoding steps cost: step 0 also read the prompt (its time is prefill_ms, its drafts count above)
+    spec_decode = [s for s in spec if s.step > 0]
+    plain = [s for s in r.steps if s.step > 0 and s.drafted == 0]
     drafted = sum(s.drafted for s in spec)
     accepted = sum(s.accepted for s in spec)
     max_k = max((s.drafted for s in spec), default=0)
@@ -60,14 +62,19 @@ def run_metrics(r: RunResult) -> dict:
         "decode_tokens_per_s": (n - 1) / (out[-1].time_s - out[0].time_s) if n > 1 and out[-1].time_s > out[0].time_s else None,
         "prefill_ms": r.prefill_ms,
         "draft_ms_total": sum(s.draft_ms for s in spec),
-        "verify_ms_total": sum(s.verify_ms for s in spec),
-        "draft_ms_per_token": sum(s.draft_ms for s in spec) / drafted if drafted else None,
-        "verify_ms_mean": mean(s.verify_ms for s in spec) if spec else None,
+        "verify_ms_total": sum(s.verify_ms for s in spec_decode),
+        "draft_ms_per_token": _per_token(spec_decode),
+        "verify_ms_mean": mean(s.verify_ms for s in spec_decode) if spec_decode else None,
         "plain_step_ms": mean(s.verify_ms for s in plain) if plain else None,
         "fallback_count": sum(e.action == PolicyAction.FALLBACK for e in r.policy),
         "rejected_tokens": sum(t.kind == TokenKind.REJECTED for t in r.tokens),
     }
     return m
+
+
+def _per_token(steps) -> float | None:
+    drafted = sum(s.drafted for s in steps)
+    return sum(s.draft_ms for s in steps) / drafted if drafted else None
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -86,8 +93,8 @@ def compare(baseline: RunResult, speculative: RunResult, greedy: bool) -> dict:
         "decode_speedup": _ratio(s["decode_tokens_per_s"], b["decode_tokens_per_s"]),
     }
     step_ms = b["plain_step_ms"]  # one target decoding step, measured by the baseline
-    steps = [st for st in speculative.steps if st.drafted > 0]
-    if step_ms and steps:
+    steps = [st for st in speculative.steps if st.drafted > 0 and st.step > 0]  # decoding steps (not the prefill)
+    if step_ms and steps and s["draft_ms_per_token"]:
         # Sum the model over the steps actually taken, so that a dynamic K is judged at the K it used.
         alpha = acceptance_alpha(steps)
         cost_c = s["draft_ms_per_token"] / step_ms

@@ -35,26 +35,38 @@ warnings.filterwarnings("ignore", message=".*quantized tensor creation functions
 ROWWISE_MAX_QUERIES = 64  # above this a pass is a prefill: one fused causal attention call
 
 
-def rowwise_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def rowwise_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, prompt_rows=None,
+                      **kwargs):
     # query [B, H, Q, D]; key, value [B, H_kv, T, D] with the Q new positions last; batch size 1, no padding
-    B, H, Q, D = query.shape
-    T = key.shape[2]
-    groups = H // key.shape[1]
+    groups = query.shape[1] // key.shape[1]
     if groups > 1:  # grouped-query attention
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
+    Q, T = query.shape[2], key.shape[2]
+    if prompt_rows is not None and prompt_rows < Q:
+        # The prompt read together with the first drafts (T == Q): the prompt's rows take the call the baseline's
+        # prefill makes, the drafts' rows the calls of the decoding steps at their positions.
+        prompt = _attend(query[:, :, :prompt_rows], key[:, :, :prompt_rows], value[:, :, :prompt_rows], scaling)
+        drafts = _attend(query[:, :, prompt_rows:], key, value, scaling)
+        out = torch.cat([prompt, drafts], dim=2)
+    else:
+        out = _attend(query, key, value, scaling)
+    return out.transpose(1, 2).contiguous(), None  # [B, Q, H, D]
+
+
+def _attend(query, key, value, scaling):
+    """query [B, H, Q, D] for the last Q of the T positions in key, value [B, H, T, D] -> [B, H, Q, D]."""
+    Q, T = query.shape[2], key.shape[2]
     if Q > ROWWISE_MAX_QUERIES:
         causal = torch.ones(Q, T, dtype=torch.bool, device=query.device).tril(T - Q)  # new rows see the cache
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal, scale=scaling)
-    else:
-        rows = [
-            F.scaled_dot_product_attention(
-                query[:, :, i : i + 1], key[:, :, : T - Q + i + 1], value[:, :, : T - Q + i + 1], scale=scaling
-            )
-            for i in range(Q)
-        ]
-        out = torch.cat(rows, dim=2)  # [B, H, Q, D]
-    return out.transpose(1, 2).contiguous(), None  # [B, Q, H, D]
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=causal, scale=scaling)
+    rows = [
+        F.scaled_dot_product_attention(
+            query[:, :, i : i + 1], key[:, :, : T - Q + i + 1], value[:, :, : T - Q + i + 1], scale=scaling
+        )
+        for i in range(Q)
+    ]
+    return torch.cat(rows, dim=2)
 
 
 AttentionInterface.register("rowwise", rowwise_attention)

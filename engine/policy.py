@@ -146,11 +146,13 @@ class SpecPolicy:
 
     def observe(self, step: StepRecord) -> list[PolicyEvent]:
         """Learn from one finished step; returns the decisions it led to."""
+        if step.step == 0 and step.drafted == 0:
+            return []  # the prefill alone: not what a decoding step costs
         if step.drafted == 0:
             return self._observe_plain(step)
         cfg = self.config
         self.recent.append(step)
-        if not self.seen_first:  # the first draft pass also prefilled the prompt: not a per-token cost
+        if not self.seen_first:  # the first draft pass also prefilled the prompt (step 0: the target's too)
             self.seen_first = True
             return []
         self.draft_ms_per_token = _ema(self.draft_ms_per_token, step.draft_ms / step.drafted)
@@ -192,8 +194,9 @@ class SpecPolicy:
     def _check_fallback(self, step: StepRecord) -> list[PolicyEvent]:
         if len(self.recent) < self.config.window:
             return []
-        tokens = sum(s.emitted for s in self.recent)
-        ms = sum(s.draft_ms + s.verify_ms for s in self.recent)
+        steps = [s for s in self.recent if s.step > 0]  # step 0's passes also read the prompt
+        tokens = sum(s.emitted for s in steps)
+        ms = sum(s.draft_ms + s.verify_ms for s in steps)
         spec_rate, plain_rate = 1000 * tokens / ms, 1000 / self.target_step_ms
         if spec_rate >= plain_rate:
             return []

@@ -1,9 +1,11 @@
 """Greedy speculative decoding must equal plain greedy decoding token for token."""
 
 import pytest
+import torch
 
 from engine.drafters import DraftModelProposer, HybridProposer, NgramProposer
 from engine.events import RunResult, TokenKind
+from engine.forward import forward, new_cache
 from engine.local import generate_baseline, generate_speculative
 from engine.policy import PolicyConfig, SpecPolicy
 from engine.sampling import SamplingParams
@@ -99,6 +101,39 @@ def test_hybrid(tiny_pair, smol_tokenizer, min_match, dynamic):
     assert s.method == "hybrid"
     assert {st.drafter for st in s.steps if st.drafted} == {"draft", "ngram"}
     assert all(st.drafter == "" for st in s.steps if not st.drafted)
+
+
+@pytest.mark.parametrize("prompt_len,k", [(9, 4), (60, 8), (64, 1), (100, 6)])
+def test_first_pass_reads_prompt_and_drafts_as_the_baseline_does(tiny_pair, prompt_len, k):
+    """Step 0's target pass reads the prompt and the first drafts together. Its logits and its cache must be bitwise
+    the baseline's (a prefill, then one token per pass), also where the pass crosses the length at which attention
+    switches from one call per query to one fused call (64 queries)."""
+    target, _ = tiny_pair
+    ids = torch.randint(0, 512, (prompt_len + k,), generator=torch.Generator().manual_seed(prompt_len)).tolist()
+    one_by_one = new_cache(target)
+    expected = torch.cat([forward(target, ids[:prompt_len], one_by_one, keep=1)]
+                         + [forward(target, [t], one_by_one, keep=1) for t in ids[prompt_len:]])  # [k+1, V]
+    folded = new_cache(target)
+    assert torch.equal(forward(target, ids, folded, keep=k + 1, prompt_rows=prompt_len), expected)
+    for a, b in zip(one_by_one.layers, folded.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_step_0_drafts(tiny_pair, smol_tokenizer):
+    """No pass of its own for the prompt: step 0 drafts, and the baseline's output is kept."""
+    target, draft = tiny_pair
+    stops = StopConditions(30)
+    prompt = PROMPT * 8  # 72 tokens: the prompt's rows take the fused attention call
+    b = baseline(target, smol_tokenizer, prompt, stops)
+    passes = []
+    hook = target.register_forward_hook(lambda module, args, out: passes.append(1))
+    try:
+        s = speculative(target, smol_tokenizer, draft_proposer(draft, target), prompt, stops, fixed(6))
+    finally:
+        hook.remove()
+    assert s.output_ids == b.output_ids
+    assert s.steps[0].drafted == 6 and s.prefill_ms == s.steps[0].verify_ms
+    assert len(passes) == len(s.steps)  # one target pass per step, step 0's included
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 3, 7, 17])
