@@ -35,7 +35,7 @@ class LocalBackend:
         if draft is not None:
             check_pair(target, draft)
         self.target, self.draft = target, draft
-        self.target_step_ms: float | None = None  # measured by baseline runs; lets the fallback judge from step 1
+        self.target_step_ms: float | None = None  # measured by baseline runs; lets the fallback judge from the first step
         self.verify_ms: dict[int, float] = {}  # target pass over m tokens -> ms, learned by speculative runs
         self.heads: dict[int, PrunedHead] = {}  # FR-Spec: the draft's pruned output layer per vocabulary size
 

@@ -25,6 +25,23 @@ def test_measures_a_plain_step_before_deciding():
     assert policy.target_step_ms == 100.0 and policy.next_k() == 4
 
 
+def test_step_0_is_no_cost_sample():
+    """Step 0's pass reads the prompt: without drafts it is no plain step, with drafts no verify sample, and the
+    fallback leaves it out."""
+    policy = SpecPolicy(PolicyConfig(k=4, dynamic=True, fallback=True, window=2))
+    policy.observe(StepRecord(0, 0, 0, 1, 0.0, 2000.0, 0.0))  # a long prompt's prefill
+    assert policy.target_step_ms is None and policy.next_k() == 0
+    policy.observe(plain_step())
+    assert policy.target_step_ms == 100.0
+
+    policy = SpecPolicy(PolicyConfig(k=4, fallback=True, window=2), target_step_ms=100.0)
+    policy.observe(StepRecord(0, 4, 4, 5, 40.0, 2000.0, 0.0))  # 5 tokens, but after a 2 s prefill
+    assert policy.verify_ms == {}
+    decisions = policy.observe(spec_step(4, 4, verify_ms=110.0))  # 5 tokens in 150 ms: faster than plain steps
+    assert policy.verify_ms == {5: 110.0}
+    assert not any(d.action == PolicyAction.FALLBACK for d in decisions)
+
+
 def test_dynamic_k_grows_when_everything_is_accepted():
     policy = iid(4, k_max=16)
     decisions = []
