@@ -59,7 +59,7 @@ def run_metrics(r: RunResult) -> dict:
         "ttft_ms": 1000 * out[0].time_s if out else None,
         "tpot_ms": 1000 * (out[-1].time_s - out[0].time_s) / (n - 1) if n > 1 else None,
         "tokens_per_s": n / r.total_s if r.total_s > 0 else None,
-        "decode_tokens_per_s": (n - 1) / (out[-1].time_s - out[0].time_s) if n > 1 and out[-1].time_s > out[0].time_s else None,
+        "decode_tokens_per_s": _decode_rate(r),
         "prefill_ms": r.prefill_ms,
         "draft_ms_total": sum(s.draft_ms for s in spec),
         "verify_ms_total": sum(s.verify_ms for s in spec_decode),
@@ -70,6 +70,17 @@ def run_metrics(r: RunResult) -> dict:
         "rejected_tokens": sum(t.kind == TokenKind.REJECTED for t in r.tokens),
     }
     return m
+
+
+def _decode_rate(r: RunResult) -> float | None:
+    """Tokens per second after step 0, which commits the prefill's token and, when it drafted, the drafts it kept
+    (those cost no decoding time, so counting them would flatter the decode rate)."""
+    out = r.output_tokens
+    first = r.steps[0].emitted if r.steps and r.steps[0].step == 0 else 1
+    first = min(max(first, 1), len(out))
+    if len(out) <= first or out[-1].time_s <= out[first - 1].time_s:
+        return None
+    return (len(out) - first) / (out[-1].time_s - out[first - 1].time_s)
 
 
 def _per_token(steps) -> float | None:

@@ -61,6 +61,25 @@ def test_run_metrics_by_hand():
     assert m["fallback_count"] == 1 and m["rejected_tokens"] == 7
 
 
+def test_step_0_with_drafts():
+    """Step 0 read the prompt and kept 2 of 3 drafts: its drafts count for acceptance, its time for no decoding
+    cost, and its 3 tokens for no decoding time."""
+    r = RunResult("speculative", "draft", prompt_tokens=10)
+    toks = [(A, 0, 0, 1.0), (A, 0, 1, 1.0), (R, 0, 2, 1.0), (REC, 0, 2, 1.0), (A, 1, 0, 1.2), (B, 1, 1, 1.2)]
+    index = 0
+    for kind, step, pos, t in toks:
+        out = kind != R
+        r.tokens.append(TokenEvent(kind, 100 + index, "x", step, pos, t, index if out else None))
+        index += out
+    r.steps = [StepRecord(0, 3, 2, 3, 90.0, 900.0, 1.0), StepRecord(1, 1, 1, 2, 30.0, 170.0, 1.2)]
+    r.prefill_ms, r.total_s = 900.0, 1.2
+    m = run_metrics(r)
+    assert m["drafted"] == 4 and m["accepted"] == 3 and m["steps"] == 2
+    assert m["draft_ms_per_token"] == pytest.approx(30.0) and m["verify_ms_mean"] == pytest.approx(170.0)
+    assert m["decode_tokens_per_s"] == pytest.approx(2 / 0.2)  # tokens 4-5 in the 0.2 s after step 0
+    assert m["ttft_ms"] == pytest.approx(1000.0)
+
+
 def test_theory():
     assert expected_tokens_per_pass(0.0, 4) == 1
     assert expected_tokens_per_pass(1.0, 4) == 5
