@@ -27,10 +27,13 @@ RESET = "\033[0m"
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     from engine.models import DEFAULT_PRESET, PRESETS
+    from engine.optimize import MIN_ROWS
 
     p.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS), help="models to load")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    p.add_argument("--strict", action="store_true", help="bitwise-exact target kernels (a little slower)")
+    p.add_argument("--min-rows", type=int, default=MIN_ROWS,
+                   help="target passes over fewer tokens run padded to this many rows: bitwise exact and faster on "
+                        "our CPU (1 = no padding: single rows may differ in the last bits)")
     p.add_argument("--target", help="target model instead of the preset's: a model directory or a .gguf file")
     p.add_argument("--draft", help="draft model instead of the preset's (same tokenizer as the target)")
 
@@ -233,7 +236,7 @@ def local_host(args):
 
     preset = preset_of(args)
     label = f"local: target {preset.target}, draft {preset.draft or 'n-gram prompt lookup'}"
-    factory = lambda progress: LocalBackend.from_preset(preset, args.device, args.strict, on_progress=progress)  # noqa: E731
+    factory = lambda progress: LocalBackend.from_preset(preset, args.device, args.min_rows, on_progress=progress)  # noqa: E731
     return ModelHost(label, factory, preset.method)
 
 

@@ -3,11 +3,13 @@ verify), the curve that the per-token draft stop reads (engine.policy: verify(m)
 
     python -m benchmarks.pass_cost                       # the default target: Qwen2.5-Coder-1.5B, prepacked float32
     python -m benchmarks.pass_cost --sizes 1 2 3 4 8 17 --rounds 20
+    python -m benchmarks.pass_cost --min-rows 5 1         # padded to 5 rows (the engines' default) and unpadded
 
 Loads the target once, as the engine does. A warm KV cache of --context tokens (the start of engine/drafters.py),
 then one pass of m tokens, the cache cropped back after it; the sizes take turns round by round, so that a drift in
-the machine's speed favours none. Prints the median ms per m and its ratio to a plain step (m = 1). On a shared
-machine the times are noisy; run it alone.
+the machine's speed favours none. Prints the median ms per m and its ratio to a plain step (m = 1). With several
+--min-rows, each m is also timed with the target's short passes padded to each of them (engine.optimize.MIN_ROWS),
+in the same turns. On a shared machine the times are noisy; run it alone.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from benchmarks.timing import code_context, forward_ms_in_turns
 from engine.forward import forward
 from engine.models import load
+from engine.optimize import MIN_ROWS, PackedLinear
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 
@@ -33,6 +36,25 @@ def pass_ms(model, context: list[int], sizes: list[int], rounds: int) -> dict[in
     return forward_ms_in_turns(model, context, configs, rounds, warmup=2)
 
 
+def padded_pass_ms(model, context: list[int], sizes: list[int], paddings: list[int], rounds: int
+                   ) -> dict[tuple[int, int], list[float]]:
+    """As pass_ms, per (m, min_rows): each pass runs with the target's Linears padding to min_rows rows."""
+    layers = [module for module in model.modules() if isinstance(module, PackedLinear)]
+    loaded = {layer: layer.min_rows for layer in layers}
+
+    def one_pass(cache, m, rows):
+        for layer in layers:
+            layer.min_rows = rows
+        forward(model, context[:m], cache, keep=m)
+
+    configs = {(m, rows): (lambda cache, m=m, rows=rows: one_pass(cache, m, rows)) for m in sizes for rows in paddings}
+    try:
+        return forward_ms_in_turns(model, context, configs, rounds, warmup=2)
+    finally:
+        for layer, rows in loaded.items():
+            layer.min_rows = rows
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -41,6 +63,8 @@ def main(argv=None) -> int:
                    help="tokens per pass (m = drafts + 1)")
     p.add_argument("--context", type=int, default=200, help="tokens in the KV cache before each pass")
     p.add_argument("--rounds", type=int, default=12, help="timed passes per size")
+    p.add_argument("--min-rows", type=int, nargs="+", default=[MIN_ROWS],
+                   help="short passes padded to this many rows (1: none); several: each, side by side")
     args = p.parse_args(argv)
 
     target = load(args.target, "target")
@@ -48,19 +72,24 @@ def main(argv=None) -> int:
     if max(args.sizes) > len(context):
         raise SystemExit(f"--sizes: at most {len(context)} tokens per pass with --context {args.context}")
     with torch.inference_mode():
-        ms = pass_ms(target.model, context, args.sizes, args.rounds)
+        ms = padded_pass_ms(target.model, context, args.sizes, args.min_rows, args.rounds)
 
     out = sys.stdout
     out.write(f"\nTarget {target.name} on {target.device}; one forward pass over m tokens after {len(context)} "
-              f"cached tokens, median of {args.rounds}; {torch.get_num_threads()} threads.\n\n")
-    out.write("| m (drafts + 1) | ms / pass (median) | interquartile range | vs a plain step |\n"
-              "| --- | --- | --- | --- |\n")
-    base = statistics.median(ms[1]) if 1 in ms else None
-    for m, times in ms.items():
-        value = statistics.median(times)
-        q1, _, q3 = statistics.quantiles(times, n=4)
-        ratio = f"{value / base:.2f}x" if base else "n/a"
-        out.write(f"| {m} | {value:.1f} | {q1:.1f}-{q3:.1f} | {ratio} |\n")
+              f"cached tokens, median of {args.rounds} (interquartile range); {torch.get_num_threads()} threads. "
+              f"\"Padded to n\": passes under n rows run as n rows; the ratio is to a plain step (m = 1) padded to "
+              f"{args.min_rows[0]}.\n\n")
+    out.write("| m (drafts + 1) | " + " | ".join(f"padded to {r}: ms / pass | vs a plain step" for r in args.min_rows)
+              + " |\n|" + " --- |" * (1 + 2 * len(args.min_rows)) + "\n")
+    base = statistics.median(ms[args.sizes[0], args.min_rows[0]]) if args.sizes[0] == 1 else None
+    for m in args.sizes:
+        cells = []
+        for rows in args.min_rows:
+            times = ms[m, rows]
+            value = statistics.median(times)
+            q1, _, q3 = statistics.quantiles(times, n=4)
+            cells += [f"{value:.1f} ({q1:.0f}-{q3:.0f})", f"{value / base:.2f}x" if base else "n/a"]
+        out.write(f"| {m} | " + " | ".join(cells) + " |\n")
     return 0
 
 

@@ -38,6 +38,7 @@ from engine.request import METHODS, Request
 from engine.events import RunResult
 from engine.metrics import compare, first_divergence
 from engine.models import PRESETS, encode_prompt
+from engine.optimize import MIN_ROWS
 from engine.stats import bootstrap_ci
 from specconsole.suites import EXTERNAL_SUITES, SuitePrompt, categories, load_external, load_suite
 
@@ -330,7 +331,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-per-token", action="store_true", help="dynamic K from the i.i.d. model, no per-token stop")
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="FR-Spec: our draft model drafts among its N most frequent tokens (0 = all)")
-    p.add_argument("--strict", action="store_true")
+    p.add_argument("--min-rows", type=int, default=MIN_ROWS, help="target passes padded to this many rows (1: none)")
     p.add_argument("--variants", nargs="*", default=[], metavar="SETTINGS",
                    help="more speculative configurations, each run on every prompt beside the main one and\n"
                         "compared with the same baseline and HF runs: a method and/or settings of a run,\n"
@@ -346,7 +347,7 @@ def main(argv=None) -> int:
     if not plan:
         log.error("no prompts to run")
         return 2
-    backend = LocalBackend.from_preset(args.preset, strict=args.strict)
+    backend = LocalBackend.from_preset(args.preset, min_rows=args.min_rows)
     counter = PassCounter(backend.target.model)
     method = args.method or PRESETS[args.preset].method
     with_hf = backend.draft is not None

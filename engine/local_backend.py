@@ -12,6 +12,7 @@ from engine.drafters import DraftModelProposer, HybridProposer, NgramProposer
 from engine.events import Event, RunResult
 from engine.local import generate_baseline, generate_speculative, score_outputs
 from engine.models import PRESETS, LoadedModel, ModelError, Preset, check_pair, encode_prompt, load, pick_device
+from engine.optimize import MIN_ROWS
 from engine.backend import Capabilities
 from engine.policy import SpecPolicy
 from engine.request import MIN_DRAFT_VOCAB, MODEL_METHODS, Request
@@ -41,7 +42,8 @@ class LocalBackend:
 
     @classmethod
     def from_preset(
-        cls, preset: Preset | str, device: str | None = None, strict: bool = False, on_progress: Progress | None = None
+        cls, preset: Preset | str, device: str | None = None, min_rows: int = MIN_ROWS,
+        on_progress: Progress | None = None,
     ) -> "LocalBackend":
         if isinstance(preset, str):
             if preset not in PRESETS:
@@ -49,12 +51,12 @@ class LocalBackend:
             preset = PRESETS[preset]
         dev = pick_device(device)
         if not preset.draft:
-            return cls(load(preset.target, "target", dev, strict=strict, on_progress=on_progress), None)
+            return cls(load(preset.target, "target", dev, min_rows=min_rows, on_progress=on_progress), None)
         # both at once: each load keeps a core busy only part of the time (reading, dequantizing, packing take turns),
         # so together they start ~30 % sooner on two cores; the peak stays the two models plus one tensor each
         with ThreadPoolExecutor(2, thread_name_prefix="load") as pool:
             draft = pool.submit(load, preset.draft, "draft", dev, int8=preset.int8_draft, on_progress=on_progress)
-            target = pool.submit(load, preset.target, "target", dev, strict=strict, on_progress=on_progress)
+            target = pool.submit(load, preset.target, "target", dev, min_rows=min_rows, on_progress=on_progress)
             return cls(target.result(), draft.result())
 
     def variants(self) -> dict[str, dict]:

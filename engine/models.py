@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from engine.optimize import finish, linear_converter, prepare_draft, prepare_target
+from engine.optimize import MIN_ROWS, finish, linear_converter, prepare_draft, prepare_target
 from engine.weights import SOURCES, Progress, WeightsError, cache_dir, dequantize_gguf, dequantized_dir, gguf_model
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ def resolve(spec: str, on_progress: Progress | None = None) -> Path:
 
 
 def load(
-    spec: str, role: str, device: torch.device | None = None, int8: bool = False, strict: bool = False,
+    spec: str, role: str, device: torch.device | None = None, int8: bool = False, min_rows: int = MIN_ROWS,
     on_progress: Progress | None = None,
 ) -> LoadedModel:
     """Load a target (role="target": exact optimisations) or a draft (role="draft": optionally int8)."""
@@ -120,7 +120,7 @@ def load(
 
     device = device or pick_device()
     if spec in SOURCES or spec.endswith(".gguf"):
-        return _load_gguf(spec, role, device, int8, strict, on_progress)
+        return _load_gguf(spec, role, device, int8, min_rows, on_progress)
     try:
         path = resolve(spec, on_progress)
     except WeightsError as e:
@@ -134,7 +134,7 @@ def load(
     except Exception as e:  # noqa: BLE001 - a broken cache or directory: say where and how to fix it
         raise ModelError(f"could not load {spec!r} from {path}: {e}. If this is a cached model, delete {path}.") from e
     nbytes = _weight_bytes(model)  # before packing: prepacked weights hide from state_dict
-    model = prepare_target(model, device, strict) if role == "target" else prepare_draft(model, device, int8)
+    model = prepare_target(model, device, min_rows) if role == "target" else prepare_draft(model, device, int8)
     _own_memory(model)
     if role == "draft" and int8:
         nbytes = _int8_size(model)
@@ -143,7 +143,7 @@ def load(
     return LoadedModel(Path(spec).name, model, tokenizer, device, nbytes)
 
 
-def _load_gguf(spec: str, role: str, device: torch.device, int8: bool, strict: bool,
+def _load_gguf(spec: str, role: str, device: torch.device, int8: bool, min_rows: int,
                on_progress: Progress | None) -> LoadedModel:
     """Known models and .gguf files: loaded from the GGUF, each Linear packed or quantized as it arrives."""
     from transformers import AutoTokenizer
@@ -157,7 +157,7 @@ def _load_gguf(spec: str, role: str, device: torch.device, int8: bool, strict: b
     log.info("loading %s %s from %s", role, spec, gguf)
     try:
         tokenizer = AutoTokenizer.from_pretrained(meta)
-        model = load_gguf_model(gguf, meta, linear_converter(role, device, strict, int8), on_progress=on_progress)
+        model = load_gguf_model(gguf, meta, linear_converter(role, device, min_rows, int8), on_progress=on_progress)
     except Exception as e:  # noqa: BLE001 - a damaged cache: say where and how to fix it
         raise ModelError(f"could not load {spec!r} from {gguf}: {e}. If this is a cached model, delete {meta}.") from e
     model = finish(model, role)

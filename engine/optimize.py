@@ -6,14 +6,16 @@ that bitwise on this CPU: dense float32 matmul (its reduction order depends on t
 attention over several queries. We replace them with:
 
 - `PackedLinear`: oneDNN weights prepacked once (`mkldnn._reorder_linear_weight`). Measured here: rows agree
-  bitwise for any number of rows >= 2, and a 5-token verify costs far less than with dense weights. Only one
-  row takes another kernel on large layers, so `strict=True` runs single rows as two copies of the row.
+  bitwise for any number of rows >= 2, and a 5-token verify costs far less than with dense weights. A single
+  row takes another kernel on large layers (not bitwise), and 1-4 rows are slower than 5 on our 2-core CPU, so a
+  pass over fewer than `min_rows` (5) rows runs padded to 5: exact, and faster for every engine that uses the
+  target (the baseline, ours and HF assisted generation alike).
 - `rowwise_attention`: each query of a short pass attends with its own single-query SDPA call, exactly the
   call the baseline makes at that position. Long passes (the prompt) use one fused causal call; both engines
   prefill the same prompt with the same call, so their caches agree.
 
-With both, a verify pass is bitwise identical to the same positions decoded one by one (strict) or differs in
-the last bits on large layers (fast); the console shows the first divergence if that ever flips a token.
+With both, a verify pass is bitwise identical to the same positions decoded one by one (with min_rows = 1 large
+layers may differ in the last bits; the console shows the first divergence if that ever flips a token).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
 
 ROWWISE_MAX_QUERIES = 64  # above this a pass is a prefill: one fused causal attention call
+# Fewer rows than this run padded to it (`python -m benchmarks.pass_cost --min-rows 1` shows why: on our 2-core CPU
+# one target pass over 1, 2 or 3 tokens took 304, 348 and 281 ms unpadded, 249, 246 and 254 ms padded to 5).
+MIN_ROWS = 5
 
 
 def rowwise_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, prompt_rows=None,
@@ -75,35 +80,36 @@ AttentionInterface.register("rowwise", rowwise_attention)
 class PackedLinear(nn.Module):
     """nn.Linear with oneDNN-prepacked float32 weights."""
 
-    def __init__(self, linear: nn.Linear, strict: bool):
+    def __init__(self, linear: nn.Linear, min_rows: int = MIN_ROWS):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.strict = strict
+        self.min_rows = min_rows
         # the batch-size hint picks the GEMM kernel: with a hint >= 2 every row count >= 2 agrees bitwise
         self.weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 8)
         self.bias = None if linear.bias is None else linear.bias.detach()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        single = self.strict and x.shape[-2] == 1
-        if single:
-            x = torch.cat([x, x], dim=-2)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, rows, in]
+        rows = x.shape[-2]
+        if rows < self.min_rows:  # padded with copies of the last row; each row's result depends on it alone
+            pad = x[..., -1:, :].expand(*x.shape[:-2], self.min_rows - rows, x.shape[-1])
+            x = torch.cat([x, pad], dim=-2)
         y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return y[..., :1, :] if single else y
+        return y[..., :rows, :]
 
 
-def pack_linears(model: nn.Module, strict: bool) -> nn.Module:
+def pack_linears(model: nn.Module, min_rows: int) -> nn.Module:
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, PackedLinear(child, strict))
+                setattr(module, name, PackedLinear(child, min_rows))
     return model
 
 
-def prepare_target(model: nn.Module, device: torch.device, strict: bool = False) -> nn.Module:
+def prepare_target(model: nn.Module, device: torch.device, min_rows: int = MIN_ROWS) -> nn.Module:
     """Exact optimisations for the target (and for the baseline, which uses the same model object)."""
     model.config._attn_implementation = "rowwise"
     if device.type == "cpu" and torch.backends.mkldnn.is_available():
-        pack_linears(model, strict)
+        pack_linears(model, min_rows)
     return model.eval()
 
 
@@ -142,12 +148,12 @@ def int8_linear(qweight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
     return layer
 
 
-def linear_converter(role: str, device: torch.device, strict: bool = False, int8: bool = False):
+def linear_converter(role: str, device: torch.device, min_rows: int = MIN_ROWS, int8: bool = False):
     """What prepare_target / prepare_draft turn one float32 Linear into, for loaders that convert layer by layer
     (so that the float32 weights of the whole model never exist at once)."""
     cpu = device.type == "cpu"
     if role == "target" and cpu and torch.backends.mkldnn.is_available():
-        return lambda linear: PackedLinear(linear, strict)
+        return lambda linear: PackedLinear(linear, min_rows)
     if role == "draft" and int8 and cpu:
         return quantize_linear
     return lambda linear: linear.to(device)

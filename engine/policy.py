@@ -18,10 +18,10 @@ sure tokens and stops at the first doubtful one; K (= k_max) is only the ceiling
 draft's own state and at measured costs, so the rejection sampler stays exact.
 
 verify(m), the time of one target pass over m tokens, is measured per m (the backend keeps it across runs), not
-assumed linear: on our 2-core CPU the prepacked oneDNN kernels took ~310 ms for m = 2 but 215-240 ms for m = 3-6
-(`python -m benchmarks.pass_cost`), so a 1-token draft is the dearest to verify, and one more draft token there pays
-even when it will likely be rejected. Where an m has not been seen yet, verify(m) is the linear estimate from the
-longest shorter pass measured: verify(n) + beta * (m - n) (one plain step + beta * (m - 1) before any).
+assumed linear: on our 2-core CPU it is flat up to m = 6 (passes under 5 rows run padded to 5, engine.optimize) and
+then climbs (`python -m benchmarks.pass_cost`); another machine has its own curve. Where an m has not been seen yet,
+verify(m) is the linear estimate from the longest shorter pass measured: verify(n) + beta * (m - n) (one plain step
++ beta * (m - 1) before any).
 
 Fallback: when the tokens per second of the last few speculative steps fall below what plain decoding delivers,
 switch speculation off for `cooldown` plain steps, then try again. Every decision is returned as a PolicyEvent for
