@@ -44,3 +44,18 @@ def test_pass_cost_times_each_padding_and_restores_the_models(tiny_pair):
     assert sorted(ms) == sorted((m, r) for m in (1, 2, 6) for r in (MIN_ROWS, 1))
     assert all(len(times) == 3 and min(times) > 0 for times in ms.values())
     assert all(layer.min_rows == MIN_ROWS for layer in layers)  # the shared fixture is left as it was loaded
+
+
+def test_padding_benchmark_runs_each_engine_under_each_padding(backend):
+    from benchmarks.padding import compare
+    from engine.request import build_request
+
+    layers = [m for m in backend.target.model.modules() if isinstance(m, PackedLinear)]
+    costs = backend.verify_ms
+    req = build_request("Write a haiku about the sea.", method="draft", max_new_tokens=12)
+    rows = compare(backend, [req, req], paddings=(MIN_ROWS, 1))
+    assert [sorted(k for k in row if k != "identical") for row in rows] == [
+        sorted((e, r) for e in ("baseline", "speculative") for r in (MIN_ROWS, 1))] * 2
+    assert all(row["identical"] for row in rows)  # greedy: padded or not, both engines give the same tokens
+    assert all(value > 0 for row in rows for key, value in row.items() if key != "identical")
+    assert all(layer.min_rows == MIN_ROWS for layer in layers) and backend.verify_ms is costs  # as it was
