@@ -22,13 +22,12 @@ import time
 
 from tqdm import tqdm
 
-from benchmarks.speed import describe_prompts, machine, run_engine
+from benchmarks.speed import add_sample_args, describe_prompts, machine, run_engine, sample_plan
 from engine.local_backend import LocalBackend
 from engine.models import DEFAULT_PRESET, PRESETS
 from engine.optimize import MIN_ROWS, PackedLinear
 from engine.request import build_request
 from engine.stats import bootstrap_ci
-from specconsole.suites import load_external
 
 log = logging.getLogger("benchmarks.padding")
 
@@ -93,15 +92,9 @@ def _ci(values: list[float]) -> str:
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--mtbench-prompts", type=int, default=16, help="MT-Bench prompts sampled (spread over categories)")
-    p.add_argument("--humaneval-prompts", type=int, default=0, help="HumanEval prompts sampled")
-    p.add_argument("--sample-seed", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    add_sample_args(p)
     args = p.parse_args(argv)
-    plan = [(suite, item) for suite, n in (("humaneval", args.humaneval_prompts), ("mtbench", args.mtbench_prompts))
-            if n > 0 for item in load_external(suite, n, args.sample_seed)]
-    if not plan:
-        raise SystemExit("no prompts: give --mtbench-prompts and/or --humaneval-prompts above 0")
+    plan = sample_plan(args)
 
     method = PRESETS[DEFAULT_PRESET].method
     backend = LocalBackend.from_preset(DEFAULT_PRESET)

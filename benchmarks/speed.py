@@ -292,6 +292,24 @@ def describe_prompts(plan: list[tuple[str, SuitePrompt]], seed: int) -> str:
     return " + ".join(parts) + (f", sample seed {seed}" if sampled else "")
 
 
+def add_sample_args(p: argparse.ArgumentParser, mtbench: int = 16) -> None:
+    """The arguments of the scripts that run a seeded sample of the external suites (see sample_plan)."""
+    p.add_argument("--mtbench-prompts", type=int, default=mtbench, help="MT-Bench prompts sampled (spread over "
+                   "categories)")
+    p.add_argument("--humaneval-prompts", type=int, default=0, help="HumanEval prompts sampled")
+    p.add_argument("--sample-seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+
+
+def sample_plan(args) -> list[tuple[str, SuitePrompt]]:
+    """(suite, prompt) pairs from add_sample_args' arguments: HumanEval's sample first, then MT-Bench's."""
+    plan = [(suite, item) for suite, n in (("humaneval", args.humaneval_prompts), ("mtbench", args.mtbench_prompts))
+            if n > 0 for item in load_external(suite, n, args.sample_seed)]
+    if not plan:
+        raise SystemExit("no prompts: give --mtbench-prompts and/or --humaneval-prompts above 0")
+    return plan
+
+
 def plan_prompts(args) -> list[tuple[str, SuitePrompt]]:
     """(suite, prompt) pairs: seeded samples of the external suites and/or the first prompts of in-repo categories."""
     cap = (lambda n: n) if args.limit_prompts is None else (lambda n: min(n, args.limit_prompts))

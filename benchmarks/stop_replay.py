@@ -35,7 +35,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.pass_cost import pass_ms
-from benchmarks.speed import describe_prompts, machine
+from benchmarks.speed import add_sample_args, describe_prompts, machine, sample_plan
 from benchmarks.timing import code_context
 from engine.drafters import DraftModelProposer, NgramProposer
 from engine.events import StepRecord
@@ -47,7 +47,6 @@ from engine.request import DEFAULT_DRAFT_CONFIDENCE, build_request
 from engine.sampling import SamplingParams
 from engine.stats import bootstrap_ci
 from engine.stops import StopConditions
-from specconsole.suites import load_external
 
 log = logging.getLogger("benchmarks.stop_replay")
 
@@ -178,16 +177,10 @@ def _ci(values: list[float]) -> str:
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--mtbench-prompts", type=int, default=16, help="MT-Bench prompts sampled (spread over categories)")
-    p.add_argument("--humaneval-prompts", type=int, default=0, help="HumanEval prompts sampled")
-    p.add_argument("--sample-seed", type=int, default=0)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    add_sample_args(p)
     p.add_argument("--rounds", type=int, default=5, help="timed target passes per length m for verify(m)")
     args = p.parse_args(argv)
-    plan = [(suite, item) for suite, n in (("humaneval", args.humaneval_prompts), ("mtbench", args.mtbench_prompts))
-            if n > 0 for item in load_external(suite, n, args.sample_seed)]
-    if not plan:
-        raise SystemExit("no prompts: give --mtbench-prompts and/or --humaneval-prompts above 0")
+    plan = sample_plan(args)
 
     backend = LocalBackend.from_preset(DEFAULT_PRESET)  # with the engine's optimisations
     target, draft, tokenizer = backend.target.model, backend.draft.model, backend.target.tokenizer
