@@ -235,7 +235,7 @@
     renderCharts(now);
     if (document.activeElement !== scrub) scrub.value = String(duration > 0 ? Math.round((now / duration) * 1000) : 1000);
     $('clock').textContent = `${now.toFixed(2)} s / ${duration.toFixed(2)} s · ${speed}×`;
-    document.body.dataset.time = now.toFixed(4);  // lets a test see where the replay stands
+    document.body.dataset.time = String(now);  // lets a test see where the replay stands (exactly: no rounding)
   }
 
   function setState() {
