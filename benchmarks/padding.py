@@ -22,12 +22,11 @@ import time
 
 from tqdm import tqdm
 
-from benchmarks.speed import add_sample_args, describe_prompts, machine, run_engine, sample_plan
+from benchmarks.speed import add_sample_args, describe_prompts, machine, run_engine, sample_plan, with_ci
 from engine.local_backend import LocalBackend
 from engine.models import DEFAULT_PRESET, PRESETS
 from engine.optimize import MIN_ROWS, PackedLinear
 from engine.request import build_request
-from engine.stats import bootstrap_ci
 
 log = logging.getLogger("benchmarks.padding")
 
@@ -84,11 +83,6 @@ def compare(backend: LocalBackend, requests: list, paddings: tuple[int, ...] = (
     return rows_out
 
 
-def _ci(values: list[float]) -> str:
-    median, low, high = bootstrap_ci(values)
-    return f"{median:.2f}x [{low:.2f}, {high:.2f}]"
-
-
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -114,13 +108,14 @@ def main(argv=None) -> int:
         out.write(f"| {n} | {item.category} | {row['baseline', pad]:.2f} / {row['baseline', none]:.2f} | "
                   f"{row['speculative', pad]:.2f} / {row['speculative', none]:.2f} | {row['identical']} |\n")
     ratio = lambda a, b: [r[a] / r[b] for r in rows]  # noqa: E731
+    times = "{:.2f}x"
     out.write(f"\n| median over {len(rows)} prompts [95% CI] | |\n| --- | --- |\n"
-              f"| baseline, padded / unpadded | {_ci(ratio(('baseline', pad), ('baseline', none)))} |\n"
-              f"| ours, padded / unpadded | {_ci(ratio(('speculative', pad), ('speculative', none)))} |\n"
+              f"| baseline, padded / unpadded | {with_ci(ratio(('baseline', pad), ('baseline', none)), times)} |\n"
+              f"| ours, padded / unpadded | {with_ci(ratio(('speculative', pad), ('speculative', none)), times)} |\n"
               f"| speedup against the padded baseline (both padded) | "
-              f"{_ci(ratio(('speculative', pad), ('baseline', pad)))} |\n"
+              f"{with_ci(ratio(('speculative', pad), ('baseline', pad)), times)} |\n"
               f"| speedup against the unpadded baseline (both unpadded) | "
-              f"{_ci(ratio(('speculative', none), ('baseline', none)))} |\n"
+              f"{with_ci(ratio(('speculative', none), ('baseline', none)), times)} |\n"
               f"| identical output (all four runs) | {sum(r['identical'] for r in rows)}/{len(rows)} |\n")
     return 0
 

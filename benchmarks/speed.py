@@ -230,7 +230,7 @@ def table(rows: dict[str, dict]) -> str:
 VARIANT_FIGURES = ("speedup", "ours_vs_hf", "acceptance", "draft_ms_per_token")
 
 
-def _with_ci(values: list[float], fmt: str) -> str:
+def with_ci(values: list[float], fmt: str) -> str:
     values = [v for v in values if not math.isnan(v)]
     if not values:
         return "n/a"
@@ -248,8 +248,8 @@ def variants_table(prompts: list[dict], names: dict[str, str]) -> str:
     lines = [" | ".join(header), " | ".join("---" for _ in header)]
     for name, label in names.items():
         figures = [p["variants"][name] for p in prompts]
-        cells = [label, _with_ci([f["speedup"] for f in figures], "{:.2f}"),
-                 _with_ci([f["ours_vs_hf"] for f in figures], "{:.2f}")]
+        cells = [label, with_ci([f["speedup"] for f in figures], "{:.2f}"),
+                 with_ci([f["ours_vs_hf"] for f in figures], "{:.2f}")]
         cells += [_cell(_median(p["variants"][name]["ours_vs_hf"] for p in prompts if p["suite"] == s), "{:.2f}")
                   for s in suites]
         per_category = {c: _median(p["variants"][name]["ours_vs_hf"] for p in prompts if p["category"] == c)

@@ -35,7 +35,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.pass_cost import pass_ms
-from benchmarks.speed import add_sample_args, describe_prompts, machine, sample_plan
+from benchmarks.speed import add_sample_args, describe_prompts, machine, sample_plan, with_ci
 from benchmarks.timing import code_context
 from engine.drafters import DraftModelProposer, NgramProposer
 from engine.events import StepRecord
@@ -45,7 +45,6 @@ from engine.models import DEFAULT_PRESET, PRESETS, encode_prompt
 from engine.policy import SpecPolicy
 from engine.request import DEFAULT_DRAFT_CONFIDENCE, build_request
 from engine.sampling import SamplingParams
-from engine.stats import bootstrap_ci
 from engine.stops import StopConditions
 
 log = logging.getLogger("benchmarks.stop_replay")
@@ -169,11 +168,6 @@ RULES = {"hf": lambda curve: floor_drafts, "ours": lambda curve: Ours(curve, kno
          "ours-cold": lambda curve: Ours(curve, known=False)}
 
 
-def _ci(values: list[float]) -> str:
-    median, low, high = bootstrap_ci(values)
-    return f"{median:.2f} [{low:.2f}, {high:.2f}]"
-
-
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -227,7 +221,7 @@ def main(argv=None) -> int:
     for name, members in groups.items():
         ours = [rows[n]["hf"][0] / rows[n]["ours"][0] for n in members]
         cold = [rows[n]["hf"][0] / rows[n]["ours-cold"][0] for n in members]
-        out.write(f"| {name} | {len(members)} | {_ci(ours)} | {_ci(cold)} |\n")
+        out.write(f"| {name} | {len(members)} | {with_ci(ours, '{:.2f}')} | {with_ci(cold, '{:.2f}')} |\n")
     return 0
 
 
