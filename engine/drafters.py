@@ -11,7 +11,7 @@ cropped back to the longest prefix it shares with the committed ids.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,9 @@ class Proposal:
     ids: list[int]  # up to k draft tokens
     probs: torch.Tensor | None  # q [len(ids), V] (warped like p); None when the drafter is deterministic
     drafter: str = ""  # which drafter proposed them: "draft" | "ngram"
+    # greedy: the draft's next-best tokens, best first, for draft position `branch_at` (where it was least sure)
+    alternatives: list[int] = field(default_factory=list)
+    branch_at: int = 0
 
 
 class DraftModelProposer:
@@ -33,16 +36,19 @@ class DraftModelProposer:
     token drafted after it would be wasted; or when the policy's DraftStop says one more token would not pay (it
     counts an unsure token as worth nothing, and goes on past it only where a longer pass verifies faster).
     (Any rule that depends only on the draft's own state keeps the rejection sampler exact.) With a pruned output
-    layer (`head`, FR-Spec) it drafts among the kept ids only, and q is 0 at every other id."""
+    layer (`head`, FR-Spec) it drafts among the kept ids only, and q is 0 at every other id. Greedy, it also names
+    its `alternatives` next-best tokens for the position where it was least sure (a token tree the target can verify
+    in the rows a short pass leaves free; see engine.local)."""
 
     method = "draft"
 
     def __init__(
         self, model, vocab_size: int, params: SamplingParams, generator: torch.Generator | None,
-        confidence: float = 0.0, head: PrunedHead | None = None,
+        confidence: float = 0.0, head: PrunedHead | None = None, alternatives: int = 0,
     ):
         self.model = model
         self.confidence = confidence
+        self.alternatives = alternatives
         self.head = head  # FR-Spec: the output layer for the kept ids only (engine.vocab); None: the full layer
         self.vocab_size = vocab_size  # the target's logits width; q is padded to it
         self.params = params
@@ -55,18 +61,23 @@ class DraftModelProposer:
         feed = ids[len(self.cached) :]  # usually 1 or 2 tokens: the last committed ones
         drafts: list[int] = []
         probs = []
+        alternatives, branch_at, least = [], 0, 2.0
         for _ in range(k):
             logits = forward(self.model, feed, self.cache, keep=1, head=self.head)[-1]  # [V_draft], or [N] kept
             self.cached += feed
             if self.params.greedy:
                 i = int(logits.argmax())
                 confidence = float(torch.softmax(logits, -1)[i]) if self.confidence or stop else 1.0
+                if self.alternatives and confidence < least:  # the likeliest place for the target to disagree
+                    top = logits.topk(self.alternatives + 1).indices.tolist()
+                    alternatives = [self._id(j) for j in top if j != i][: self.alternatives]
+                    branch_at, least = len(drafts), confidence
             else:
                 q = warp(logits, self.params)  # over the kept ids only, with a pruned head
                 i = sample(q, self.generator)
                 probs.append(q)
                 confidence = float(q[i])
-            token = i if self.head is None else int(self.head.ids[i])
+            token = self._id(i)
             drafts.append(token)
             unsure = confidence < self.confidence  # likely rejected, and every token drafted after it wasted
             if stop is None and unsure or stop is not None and not stop.more(0.0 if unsure else confidence):
@@ -74,7 +85,11 @@ class DraftModelProposer:
             feed = [token]
         # the last draft token was never fed: it sits in no cache yet
         q = None if self.params.greedy else self._pad(torch.stack(probs))
-        return Proposal(drafts, q, self.method)
+        return Proposal(drafts, q, self.method, alternatives, branch_at)
+
+    def _id(self, i: int) -> int:
+        """The token id of row i of the draft's output layer (a pruned head keeps a subset of ids)."""
+        return i if self.head is None else int(self.head.ids[i])
 
     def update(self, ids: list[int]) -> None:
         keep = _common_prefix(self.cached, ids)

@@ -18,6 +18,10 @@ its stream into chunks, shown as such until the Reclassified event confirms or c
 
 Output tokens are accepted + recovered/bonus (or baseline) tokens, in order. A step therefore commits between
 1 and K+1 tokens.
+
+With a token tree (greedy, engine.local) the pass also verifies the draft's alternatives for one position. When the
+target refuses the chain there and its own token is one of them, the drafts from there on are rejected, the
+alternative is accepted at that position, and the target's token after it is the bonus.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import torch
 
 from engine.drafters import Proposal
 from engine.events import Event, RunResult, StepRecord, TokenEvent, TokenKind
-from engine.forward import forward, new_cache, rollback
+from engine.forward import forward, move_position, new_cache, rollback
 from engine.metrics import run_metrics
 from engine.policy import SpecPolicy
 from engine.sampling import SamplingParams, next_token, rejection_sample, verify_greedy, warp
@@ -139,12 +139,19 @@ def generate_baseline(
 def generate_speculative(
     model, tokenizer, proposer, prompt_ids: list[int], params: SamplingParams, stops: StopConditions,
     policy: SpecPolicy, cancel: threading.Event | None = None, clock: Callable[[], float] = time.perf_counter,
+    tree_rows: int = 0,
 ) -> Iterator[Event]:
     """Speculative decoding: the proposer drafts K tokens, the target verifies them in one forward pass and
     commits the accepted prefix plus one token of its own.
 
     Step 0 drafts from the prompt alone, and the target reads the prompt and those drafts in one pass (its prefill);
-    a request then costs no target pass more than its steps. (With K = 0 step 0 is the baseline's prefill.)"""
+    a request then costs no target pass more than its steps. (With K = 0 step 0 is the baseline's prefill.)
+
+    Greedy, a pass of fewer than `tree_rows` tokens (one that costs as much as `tree_rows`: engine.optimize pads it)
+    fills its free rows with the draft's alternatives for the draft position where it was least sure (a token tree
+    with one branching). When the target refuses the chain exactly there but its own token is one of the
+    alternatives, that alternative is accepted and its row already holds the target's next token (the bonus): one
+    token more than the chain alone commits."""
     run = _Recorder("speculative", proposer.method, tokenizer, prompt_ids, stops, clock)
     try:
         g = _generator(params, model.device)
@@ -159,42 +166,56 @@ def generate_speculative(
             t = time.perf_counter()
             proposal = proposer.propose(ids, k, policy.draft_stop()) if k > 0 else Proposal([], None)
             drafts = proposal.ids[:k]
+            K = len(drafts)
+            # the token tree: after step 0 (whose pass is the prompt's), greedy, in the rows the pass has free
+            at = proposal.branch_at  # the draft the alternatives stand in for
+            alts = proposal.alternatives[: max(0, tree_rows - K - 1)] if at < K and read and params.greedy else []
             draft_ms = _ms_since(t)
 
             t = time.perf_counter()
-            # [K+1, V]: the logits after the last committed id and after each draft. At step 0 the prompt's rows are
-            # computed as the baseline's prefill computes them, so that the caches agree.
-            logits = forward(model, ids[read:] + drafts, cache, keep=len(drafts) + 1,
-                             prompt_rows=len(ids) if read == 0 else None)
+            # [K+1+A, V]: the logits after the last committed id, after each draft and after each alternative. At
+            # step 0 the prompt's rows are computed as the baseline's prefill computes them, so that the caches agree.
+            logits = forward(model, ids[read:] + drafts + alts, cache, keep=K + 1 + len(alts),
+                             prompt_rows=len(ids) if read == 0 else None, tree=len(alts), tree_at=at + 1)
             verify_ms = _ms_since(t)
             if step == 0:
                 run.result.prefill_ms = verify_ms
 
-            K = len(drafts)
-            p_all = None if params.greedy else warp(logits, params)  # [K+1, V]
+            p_all = None if params.greedy else warp(logits, params)  # [K+1, V] (a tree is greedy only)
             d = torch.tensor(drafts, dtype=torch.long, device=logits.device)  # [K]
+            branch = None  # the accepted alternative's index, if the tree's branch won
             if K == 0:
                 n, token = 0, next_token(logits[-1], params, g)[0]
             elif params.greedy:
-                n, token = verify_greedy(d, logits)
+                n, token = verify_greedy(d, logits[: K + 1])
+                if n == at and token in alts:  # refused where the alternatives branch off, and one of them is it
+                    branch = alts.index(token)
+                    n, token = at + 1, int(logits[K + 1 + branch].argmax())
+                    move_position(cache, len(ids) + K + branch, len(ids) + at)  # its keys replace the refused draft's
             else:
                 n, token = rejection_sample(d, proposal.probs, p_all, g)
             rollback(cache, len(ids) + n)  # keep the committed tokens; the new token is fed next step
+            accepted = drafts[:n] if branch is None else drafts[:at] + [alts[branch]]
 
             def prob(dist, pos, tok):
                 return None if dist is None else float(dist[pos, tok])
 
             emitted = 0
             for i in range(n):
-                q = 1.0 if proposal.probs is None and p_all is not None else prob(proposal.probs, i, drafts[i])
-                yield run.commit(TokenKind.ACCEPTED, drafts[i], step, i, prob(p_all, i, drafts[i]), q)
+                if i == at and branch is not None:  # the chain was refused from here on; the alternative replaces it
+                    for r in range(at, K):
+                        yield run.reject(drafts[r], step, r)
+                q = 1.0 if proposal.probs is None and p_all is not None else prob(proposal.probs, i, accepted[i])
+                yield run.commit(TokenKind.ACCEPTED, accepted[i], step, i, prob(p_all, i, accepted[i]), q)
                 emitted += 1
                 if run.done:
                     break
             if not run.done:
-                for i in range(n, K):
+                for i in range(n, K) if branch is None else ():
                     yield run.reject(drafts[i], step, i, prob(p_all, i, drafts[i]), prob(proposal.probs, i, drafts[i]))
-                kind = TokenKind.BASELINE if K == 0 else (TokenKind.BONUS if n == K else TokenKind.RECOVERED)
+                # after a branch accepted whole (the chain, or an alternative), the target's token is the bonus
+                kind = TokenKind.BONUS if n == K or branch is not None else TokenKind.RECOVERED
+                kind = TokenKind.BASELINE if K == 0 else kind
                 yield run.commit(kind, token, step, n, prob(p_all, n, token))
                 emitted += 1
             record = run.step(step, K, n, emitted, draft_ms, verify_ms, proposal.drafter if K else "")

@@ -32,10 +32,13 @@ class LocalBackend:
     capabilities = Capabilities(knows_rejected=True, per_request_drafting=True, can_reconfigure=False,
                                 concurrent_requests=False, fair_strategy="alternate")
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None):
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, tree_rows: int = MIN_ROWS):
         if draft is not None:
             check_pair(target, draft)
         self.target, self.draft = target, draft
+        # greedy verify passes shorter than this fill their free rows with a token tree (engine.local): the target's
+        # padding (engine.optimize.MIN_ROWS) makes them cost as much as this many rows anyway
+        self.tree_rows = tree_rows
         self.target_step_ms: float | None = None  # measured by baseline runs; lets the fallback judge from the first step
         self.verify_ms: dict[int, float] = {}  # target pass over m tokens -> ms, learned by speculative runs
         self.heads: dict[int, PrunedHead] = {}  # FR-Spec: the draft's pruned output layer per vocabulary size
@@ -51,13 +54,13 @@ class LocalBackend:
             preset = PRESETS[preset]
         dev = pick_device(device)
         if not preset.draft:
-            return cls(load(preset.target, "target", dev, min_rows=min_rows, on_progress=on_progress), None)
+            return cls(load(preset.target, "target", dev, min_rows=min_rows, on_progress=on_progress), None, min_rows)
         # both at once: each load keeps a core busy only part of the time (reading, dequantizing, packing take turns),
         # so together they start ~30 % sooner on two cores; the peak stays the two models plus one tensor each
         with ThreadPoolExecutor(2, thread_name_prefix="load") as pool:
             draft = pool.submit(load, preset.draft, "draft", dev, int8=preset.int8_draft, on_progress=on_progress)
             target = pool.submit(load, preset.target, "target", dev, min_rows=min_rows, on_progress=on_progress)
-            return cls(target.result(), draft.result())
+            return cls(target.result(), draft.result(), min_rows)
 
     def variants(self) -> dict[str, dict]:
         return {}  # the extras of an N-way run are the page's presets (specconsole.variants), served per request
@@ -135,17 +138,18 @@ class LocalBackend:
         # `engine` names no server here: an N-way run's extra engines differ in the request's drafting settings
         ids = self.prompt_ids(req)
         t = self.target
+        tree_rows = self.tree_rows if req.token_tree else 0
         if req.method == "ngram":
             proposer = NgramProposer(req.ngram_min, req.ngram_max)
         else:
             proposer = DraftModelProposer(self.draft.model, t.vocab_size, req.sampling, None, req.draft_confidence,
-                                          self.draft_head(req.draft_vocab))
+                                          self.draft_head(req.draft_vocab), alternatives=max(0, tree_rows - 2))
         if req.method == "hybrid":
             lookup = NgramProposer(req.hybrid_min_match, max(req.ngram_max, req.hybrid_min_match))
             proposer = HybridProposer(proposer, lookup)
         policy = SpecPolicy(req.policy(), target_step_ms=self.target_step_ms, verify_ms=self.verify_ms)
         yield from generate_speculative(
-            t.model, t.tokenizer, proposer, ids, req.sampling, self.stops(req), policy, cancel, clock
+            t.model, t.tokenizer, proposer, ids, req.sampling, self.stops(req), policy, cancel, clock, tree_rows
         )
 
     def draft_head(self, n: int) -> PrunedHead | None:

@@ -68,8 +68,16 @@ def run_metrics(r: RunResult) -> dict:
         "plain_step_ms": mean(s.verify_ms for s in plain) if plain else None,
         "fallback_count": sum(e.action == PolicyAction.FALLBACK for e in r.policy),
         "rejected_tokens": sum(t.kind == TokenKind.REJECTED for t in r.tokens),
+        "tree_accepted": _tree_accepted(r.tokens),
     }
     return m
+
+
+def _tree_accepted(tokens) -> int:
+    """Steps that accepted a token at a position where they refused the draft: one of the token tree's alternatives
+    took its place (engine.local; a chain alone accepts nothing from its first refused position on)."""
+    refused = {(t.step, t.position) for t in tokens if t.kind == TokenKind.REJECTED}
+    return len({t.step for t in tokens if t.kind == TokenKind.ACCEPTED and (t.step, t.position) in refused})
 
 
 def _decode_rate(r: RunResult) -> float | None:

@@ -41,7 +41,7 @@ MIN_ROWS = 5
 
 
 def rowwise_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, prompt_rows=None,
-                      **kwargs):
+                      tree_rows=0, tree_at=1, **kwargs):
     # query [B, H, Q, D]; key, value [B, H_kv, T, D] with the Q new positions last; batch size 1, no padding
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # grouped-query attention
@@ -54,6 +54,21 @@ def rowwise_attention(module, query, key, value, attention_mask, scaling=None, d
         prompt = _attend(query[:, :, :prompt_rows], key[:, :, :prompt_rows], value[:, :, :prompt_rows], scaling)
         drafts = _attend(query[:, :, prompt_rows:], key, value, scaling)
         out = torch.cat([prompt, drafts], dim=2)
+    elif tree_rows:
+        # A token tree (engine.forward): the last tree_rows queries are alternatives to the pass's row tree_at; each
+        # sees the keys before that row and its own, in the order a plain step at that position would.
+        chain = Q - tree_rows
+        out = [_attend(query[:, :, :chain], key[:, :, :T - tree_rows], value[:, :, :T - tree_rows], scaling)]
+        seen = T - Q + tree_at  # the cache and the pass's rows before tree_at
+        if groups == 1:  # key and value are the cache's own tensors (no grouped-query copy): write into copies
+            key, value = key.clone(), value.clone()
+        for j in range(T - tree_rows, T):
+            # the alternative's key and value take the place of the row it stands in for (whose query is done):
+            # no copy of the context, and the call is a plain step's at that position
+            key[:, :, seen], value[:, :, seen] = key[:, :, j], value[:, :, j]
+            out.append(_attend(query[:, :, Q - T + j : Q - T + j + 1], key[:, :, : seen + 1],
+                               value[:, :, : seen + 1], scaling))
+        out = torch.cat(out, dim=2)
     else:
         out = _attend(query, key, value, scaling)
     return out.transpose(1, 2).contiguous(), None  # [B, Q, H, D]

@@ -32,6 +32,7 @@ class Request:
     draft_confidence: float = 0.0  # stop drafting after a token the draft itself gives less than this (0 = off)
     per_token: bool = True  # with dynamic K, a draft model stops by policy.DraftStop (False: K from the i.i.d. model)
     verify_curve: bool = True  # DraftStop reads each length's measured verify cost (False: linear in length)
+    token_tree: bool = True  # greedy, local: a short pass's free rows verify the draft's alternatives (engine.local)
     ngram_min: int = 1
     ngram_max: int = 4
     hybrid_min_match: int = HYBRID_MIN_MATCH  # hybrid: the shortest n-gram match that is trusted over the draft model

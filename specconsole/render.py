@@ -153,6 +153,7 @@ def figures_html(baseline: RunResult | None, speculative: RunResult | None, comp
         *_sampling_check_rows(comparison),
         ("acceptance (all | last 8 steps)", f'{_fmt(s.get("acceptance_rate"), ".2f")} | {_fmt(rolling_acceptance, ".2f")}'),
         ("mean accepted length", _fmt(s.get("mean_accepted_length"), ".2f")),
+        ("steps won by a token-tree alternative", str(s.get("tree_accepted", "–"))),
         ("TTFT ms (baseline | speculative)", f'{_fmt(b.get("ttft_ms"), ".0f")} | {_fmt(s.get("ttft_ms"), ".0f")}'),
         ("TPOT ms (baseline | speculative)", f'{_fmt(b.get("tpot_ms"), ".1f")} | {_fmt(s.get("tpot_ms"), ".1f")}'),
         ("target passes saved", "unknown" if "passes_saved" in s and s["passes_saved"] is None

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.drafters import DraftModelProposer, HybridProposer, NgramProposer
+from engine.drafters import DraftModelProposer, HybridProposer, NgramProposer, Proposal
 from engine.events import RunResult, TokenKind
 from engine.forward import forward, new_cache
 from engine.local import generate_baseline, generate_speculative
@@ -74,6 +74,66 @@ def test_per_token_draft_stop(tiny_pair, smol_tokenizer):
     assert policy.draft_stop() is not None  # the costs were measured, so the rule was in charge
     lengths = {st.drafted for st in s.steps[3:] if st.drafted}
     assert len(lengths) > 1 and max(lengths) <= 12
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["fixed-k", "per-token-stop"])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_token_tree(tiny_pair, smol_tokenizer, k, per_token):
+    """Passes of fewer than 5 rows also verify the draft's next-best tokens where it was least sure (with a fixed K
+    it has no confidences: the first position). The output stays the baseline's, and a step whose alternative is
+    the target's token accepts the chain up to there, refuses the rest, accepts the alternative in its place and
+    adds the target's next token as the bonus."""
+    target, draft = tiny_pair
+    stops = StopConditions(60)
+    b = baseline(target, smol_tokenizer, PROMPT, stops)
+    proposer = DraftModelProposer(draft, target.config.vocab_size, GREEDY, None, alternatives=3)
+    # per-token: a (pretend) dear target step makes the draft's confidence decide the length, up to k
+    policy = SpecPolicy(PolicyConfig(k=k, dynamic=True, k_max=k), target_step_ms=1000.0) if per_token else fixed(k)
+    s = last(generate_speculative(target, smol_tokenizer, proposer, PROMPT, GREEDY, stops, policy, tree_rows=5))
+    assert s.output_ids == b.output_ids
+    events = {st.step: [(t.kind, t.position) for t in s.tokens if t.step == st.step] for st in s.steps}
+    won = [st for st in s.steps if any((TokenKind.ACCEPTED, p) in events[st.step]
+                                       for kind, p in events[st.step] if kind == TokenKind.REJECTED)]
+    assert won and len(won) == s.metrics["tree_accepted"]
+    for st in won:
+        at = st.accepted - 1  # the alternative's position
+        expected = ([(TokenKind.ACCEPTED, i) for i in range(at)]
+                    + [(TokenKind.REJECTED, i) for i in range(at, st.drafted)]
+                    + [(TokenKind.ACCEPTED, at), (TokenKind.BONUS, at + 1)])
+        assert events[st.step] == expected[: len(events[st.step])]
+
+
+class ScriptedDrafter:
+    """Drafts from a known answer: the right token, then a wrong one, with the right one among the alternatives for
+    the second position. Every step must then accept the first draft, refuse the second, accept the alternative in
+    its place and add the bonus."""
+
+    method = "draft"
+
+    def __init__(self, prompt, answer):
+        self.prompt, self.answer = prompt, answer
+
+    def propose(self, ids, k, stop=None):
+        i = len(ids) - len(self.prompt)
+        right = self.answer[i : i + 2]
+        wrong = [(t + 1) % 512 for t in right]
+        return Proposal([right[0], wrong[1]], None, self.method, alternatives=[wrong[1] + 1, right[1]], branch_at=1)
+
+    def update(self, ids):
+        pass
+
+
+def test_token_tree_branch_after_accepted_drafts(tiny_pair, smol_tokenizer):
+    target, _ = tiny_pair
+    b = baseline(target, smol_tokenizer, PROMPT, StopConditions(32))
+    s = last(generate_speculative(target, smol_tokenizer, ScriptedDrafter(PROMPT, b.output_ids + [0, 0]), PROMPT,
+                                  GREEDY, StopConditions(32), fixed(2), tree_rows=5))
+    assert s.output_ids == b.output_ids
+    later = s.steps[1:-1]  # step 0 reads the prompt (no tree); the last may be cut short by the token limit
+    assert later and all(st.drafted == 2 and st.accepted == 2 and st.emitted == 3 for st in later)
+    assert s.metrics["tree_accepted"] == len(s.steps) - 1
+    kinds = [(t.kind, t.position) for t in s.tokens if t.step == 1]
+    assert kinds == [(TokenKind.ACCEPTED, 0), (TokenKind.REJECTED, 1), (TokenKind.ACCEPTED, 1), (TokenKind.BONUS, 2)]
 
 
 @pytest.mark.parametrize("k", [2, 5])

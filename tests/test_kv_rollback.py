@@ -1,10 +1,13 @@
 """After a rejection, both KV caches must equal those of a fresh run on the committed prefix."""
 
+import pytest
 import torch
 
 from engine.drafters import DraftModelProposer
-from engine.forward import forward, new_cache, rollback
+from engine.forward import forward, move_position, new_cache, rollback
+from engine.optimize import prepare_target
 from engine.sampling import SamplingParams, verify_greedy
+from tests.conftest import CPU, tiny_llama
 
 PROMPT = [5, 17, 99, 3, 250, 41, 7]
 
@@ -85,3 +88,30 @@ def test_draft_cache_after_all_accepted(tiny_pair):
     # the last draft was never fed, so the cache holds everything up to the second-to-last draft
     assert proposer.cached == ids + proposal.ids[:2]
     assert_same_cache(proposer.cache, fresh_cache(draft, proposer.cached))
+
+
+@pytest.mark.parametrize("at", [1, 2])
+@pytest.mark.parametrize("kv_heads", [2, 4], ids=["grouped-query", "multi-head"])
+def test_token_tree_rows_and_cache(kv_heads, at):
+    """A token tree (forward's `tree`): each alternative to the draft at pass row `at` holds, bitwise, the logits of
+    plain steps with that alternative in the draft's place; the chain's rows are untouched; once accepted, its keys
+    and values take that place in the cache, which then equals the plain steps' cache bitwise."""
+    target = prepare_target(tiny_llama(512, seed=5, kv_heads=kv_heads), CPU)
+    drafts, alternatives = [11, 12], [13, 14]
+    for j, alt in enumerate(alternatives):
+        plain = new_cache(target)
+        last = int(forward(target, PROMPT, plain, keep=1)[-1].argmax())
+        chain = [forward(target, [t], plain, keep=1)[-1] for t in [last] + drafts]  # one plain step per token
+        rollback(plain, len(PROMPT) + at)  # back to just before the draft the alternatives stand in for
+        after_alt = forward(target, [alt], plain, keep=1)[-1]
+
+        cache = fresh_cache(target, PROMPT)
+        logits = forward(target, [last] + drafts + alternatives, cache, keep=5, tree=len(alternatives), tree_at=at)
+        assert all(torch.equal(logits[i], chain[i]) for i in range(len(drafts) + 1))
+        assert torch.equal(logits[len(drafts) + 1 + j], after_alt)
+        where = len(PROMPT) + at  # the position of the draft it replaces
+        move_position(cache, len(PROMPT) + 1 + len(drafts) + j, where)
+        rollback(cache, where + 1)
+        assert cache.get_seq_length() == plain.get_seq_length()
+        for a, b in zip(cache.layers, plain.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

