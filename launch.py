@@ -71,7 +71,7 @@ DEFAULT_DB = os.path.expanduser("~/.local/share/specconsole/history.db")
 
 
 def add_backend_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", default="local", choices=["local", "vllm"])
+    p.add_argument("--backend", default="local", choices=["local", "vllm", "llamacpp"])
     p.add_argument("--db", default=DEFAULT_DB, help="SQLite history file")
     default_python = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".venv-vllm", "bin", "python")
     p.add_argument("--vllm-python", default=default_python if os.path.exists(default_python) else sys.executable,
@@ -89,6 +89,27 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                                           "(method[:k=N][:draft=PATH], up to 3); managed: started after the others, "
                                           "on the ports after --vllm-ports; attached: what the extra URLs run")
     p.add_argument("--vllm-api-key-env", default="VLLM_API_KEY", help="environment variable with the API key")
+    add_llamacpp_args(p)
+
+
+def add_llamacpp_args(p: argparse.ArgumentParser) -> None:
+    from engine.llamacpp_server import METHODS
+
+    p.add_argument("--llamacpp-method", choices=sorted(METHODS),
+                   help="llama.cpp's drafting (default: draft with the preset's draft GGUF, else ngram-simple)")
+    p.add_argument("--llamacpp-k", type=int, default=4,
+                   help="drafts per step: the draft's n_max, or the n-gram type's draft length")
+    p.add_argument("--llamacpp-n-min", type=int, help="fewer drafts than this: the step decodes without them")
+    p.add_argument("--llamacpp-p-min", type=float, help="a draft model stops drafting below this confidence")
+    p.add_argument("--llamacpp-ngram-n", type=int, help="n-gram methods: the n-gram length looked up")
+    p.add_argument("--llamacpp-threads", type=int, default=os.cpu_count() or 1,
+                   help="threads of each managed engine (default: all cores; the engines then take turns)")
+    p.add_argument("--llamacpp-compare", help="N-way: one more speculative engine per config, e.g. "
+                                              "draft:k=2,ngram-simple:k=4:n=3 (method[:k=N][:n_min=N][:p_min=X][:n=N])")
+    p.add_argument("--llamacpp-attach", help="BASELINE_URL,SPECULATIVE_URL[,SPECULATIVE_URL...] of llama-server "
+                                             "instances already running (the first without speculative decoding)")
+    p.add_argument("--llamacpp-api-key-env", default="LLAMACPP_API_KEY",
+                   help="environment variable with the attached servers' API key")
 
 
 def build_request(args, prompt: str, default_method: str):
@@ -103,13 +124,21 @@ def build_request(args, prompt: str, default_method: str):
                    stop_strings=extra.get("stop", ()))
 
 
+def check_limits(args, prompt: str) -> None:
+    """The run's numbers (max new tokens, K, temperature, ...) against engine.limits before the models load: a
+    SettingsError ends the command with exit code 2. Checked as n-gram drafting, which reads no draft-model setting:
+    those, and the prompt's length against the context, are checked once the backend is up."""
+    build_request(args, prompt, args.method or "ngram").validate()
+
+
 def demo(args) -> int:
     """One prompt on both engines, one after the other, streamed to the terminal; then the figures and the checks
     (greedy: identical or the first divergence; sampled: the sampling check)."""
     from engine.check import sampling_check
     from engine.metrics import compare
 
-    host = (vllm_host(args) if args.backend == "vllm" else local_host(args)).start()
+    check_limits(args, args.prompt)
+    host = backend_host(args).start()
     try:
         if not host.wait():
             log.error("%s", host.status())
@@ -133,7 +162,7 @@ def _demo_compare(backend, base, spec: str | None) -> int:
     vLLM each speculative server, one after the other, streamed; then one table: engine, label, tokens/s, speedup,
     acceptance, identical."""
     from engine.metrics import compare
-    from specconsole.runner import extra_engine
+    from engine.backend import extra_engine
     from specconsole.variants import Variant, parse_compare, served
 
     from engine.sampling import SettingsError
@@ -142,7 +171,9 @@ def _demo_compare(backend, base, spec: str | None) -> int:
         if spec:
             raise SettingsError("--compare sets drafting per run, which vLLM servers do not take: start one "
                                 "speculative server per config with --vllm-compare ngram:k=2,ngram:k=6")
-        variants = [Variant(f"vLLM {backend.describe()['method']}", base), *served(backend, base)]
+        method = backend.describe()["method"]  # "ngram" on vLLM, "llamacpp-draft" on llama.cpp
+        variants = [Variant(method if method.startswith(backend.name) else f"vLLM {method}", base),
+                    *served(backend, base)]
     elif not backend.capabilities.per_request_drafting:
         raise SettingsError("--compare needs a backend that takes drafting settings per run (--backend local)")
     else:
@@ -218,7 +249,8 @@ def _demo_lines(s: dict, c: dict) -> list[str]:
         lines.append("bound: unknown (draft and verify costs not measured)")
     if "identical" in c:
         lines.append("greedy outputs identical" if c["identical"]
-                     else f"outputs diverge at token {c['first_divergence']}")
+                     else f"outputs diverge at token {c['first_divergence']}"
+                     + (f" ({s['divergence_note']})" if s.get("divergence_note") else ""))
     if c.get("nll_baseline") is not None:
         lines.append(f"NLL nats/token: baseline {c['nll_baseline']:.2f}, speculative {c['nll_speculative']:.2f} "
                      f"(perplexity {c['perplexity_baseline']:.1f} | {c['perplexity_speculative']:.1f})")
@@ -228,6 +260,13 @@ def _demo_lines(s: dict, c: dict) -> list[str]:
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def exposure(host: str, share: bool) -> str | None:
+    """Who besides this machine's user could reach the page ("on 0.0.0.0", "through a public share link"), or None."""
+    if share:
+        return "through a public share link"
+    return None if host in LOOPBACK else f"on {host}"
 
 
 def local_host(args):
@@ -240,9 +279,65 @@ def local_host(args):
     return ModelHost(label, factory, preset.method)
 
 
+def backend_host(args):
+    """The ModelHost of --backend."""
+    return {"vllm": vllm_host, "llamacpp": llamacpp_host}.get(args.backend, local_host)(args)
+
+
+def llamacpp_host(args):
+    """llama.cpp engines: attached (--llamacpp-attach) or started on the preset's GGUF files. The installed build's
+    option names are checked here, before anything loads."""
+    from dataclasses import replace
+
+    from engine.http_safety import redact
+    from engine.llamacpp_backend import LlamaCppBackend
+    from engine.llamacpp_server import DRAFT_MODEL_METHODS, EngineConfig, LlamaCppError, check_build, parse_method
+    from engine.backend import MAX_EXTRA
+    from engine.weights import SOURCES, gguf_model
+    from specconsole.host import ModelHost
+
+    if args.llamacpp_attach:
+        urls = args.llamacpp_attach.split(",")
+        if not 2 <= len(urls) <= 2 + MAX_EXTRA:
+            raise SystemExit(f"--llamacpp-attach takes BASELINE_URL,SPECULATIVE_URL and up to {MAX_EXTRA} more "
+                             "speculative URLs")
+        api_key = os.environ.get(args.llamacpp_api_key_env) or None
+        return ModelHost(f"llama.cpp servers at {redact(', '.join(urls))}",
+                         lambda progress: LlamaCppBackend.attach(urls, api_key))
+    preset = preset_of(args)
+    method = args.llamacpp_method or ("draft" if preset.draft else "ngram-simple")
+    base = EngineConfig("speculative", "", method, k=args.llamacpp_k, n_min=args.llamacpp_n_min,
+                        p_min=args.llamacpp_p_min, ngram_n=args.llamacpp_ngram_n, threads=args.llamacpp_threads)
+    try:
+        extra = [parse_method(spec, base) for spec in (args.llamacpp_compare or "").split(",") if spec.strip()]
+        if len(extra) > MAX_EXTRA:
+            raise LlamaCppError(f"--llamacpp-compare takes at most {MAX_EXTRA} configs, got {len(extra)}")
+        for config in (base, *extra):
+            check_build(config)
+            if config.method in DRAFT_MODEL_METHODS and not preset.draft:
+                raise LlamaCppError(f"llama.cpp {config.method} drafting needs a draft GGUF: pass --draft")
+    except LlamaCppError as e:
+        raise SystemExit(str(e)) from e
+    for spec in filter(None, (preset.target, preset.draft)):
+        if spec not in SOURCES and not spec.endswith(".gguf"):
+            raise SystemExit(f"llama.cpp loads GGUF files: {spec!r} is neither a known model nor a .gguf file")
+
+    def factory(progress):
+        target = str(gguf_model(preset.target, on_progress=progress)[0])
+        draft = str(gguf_model(preset.draft, on_progress=progress)[0]) if preset.draft else None
+        configs = [replace(c, model=target, draft=draft if c.method in DRAFT_MODEL_METHODS else None)
+                   for c in (base, *extra)]
+        return LlamaCppBackend.managed(configs[0], configs[1:], on_progress=progress)
+
+    labels = ", ".join(c.label() for c in (base, *extra))
+    return ModelHost(f"llama.cpp (managed, {args.llamacpp_threads} threads each): {labels}", factory)
+
+
 def vllm_host(args):
+    from engine.http_safety import redact
     from engine.models import resolve
-    from engine.vllm_backend import MAX_EXTRA, VLLMBackend
+    from engine.backend import MAX_EXTRA
+    from engine.vllm_backend import VLLMBackend
     from engine.vllm_config import parse_configs, speculative_config
     from engine.vllm_server import VLLMError, has_gpu
     from specconsole.host import ModelHost
@@ -265,7 +360,7 @@ def vllm_host(args):
         # drafts (checked against the server's own counts); --vllm-compare says the same of the extra ones
         hint = speculative_config("ngram", args.vllm_k) if args.vllm_method == "ngram" else None
         pairs = list(zip(urls[2:], extra or [None] * (len(urls) - 2)))
-        return ModelHost(f"vLLM servers at {', '.join(urls)}",
+        return ModelHost(f"vLLM servers at {', '.join(redact(url) for url in urls)}",
                          lambda progress: VLLMBackend.attach(*urls[:2], api_key, speculative=hint, extra=pairs))
     preset = preset_of(args)
     n = 2 + len(extra)
@@ -283,7 +378,8 @@ def vllm_host(args):
     def factory(progress):
         model = str(resolve(args.target or preset.target, progress))  # vLLM needs a model directory
         return VLLMBackend.managed(model, spec, python=args.vllm_python, memory_split=split, ports=ports,
-                                   on_progress=progress, max_model_len=args.vllm_max_model_len, extra=extra)
+                                   on_progress=progress, max_model_len=args.vllm_max_model_len, extra=extra,
+                                   api_key=api_key)
 
     if has_gpu():
         placement = "GPU memory " + "/".join(f"{x:.2f}" for x in split or ((0.45, 0.45) if n == 2 else (0.9 / n,) * n))
@@ -307,15 +403,19 @@ def console(args) -> int:
             log.error("%s must hold user:password", args.auth_env)
             return 2
         auth = (user, password)
-    if args.host not in LOOPBACK and auth is None:
-        log.error("refusing to serve on %s without a login: set %s=user:password first", args.host, args.auth_env)
+    reach = exposure(args.host, args.share)
+    if reach and auth is None:
+        log.error("refusing to serve %s without a login: set %s=user:password in the environment first", reach,
+                  args.auth_env)
         return 2
+    if not args.share and os.environ.get("GRADIO_SHARE", "").lower() == "true":
+        log.warning("GRADIO_SHARE is ignored: a public link opens only with --share (and a login)")
     try:
         history = History(args.db)
     except HistoryError as e:
         log.error("%s", e)
         return 2
-    host = (vllm_host(args) if args.backend == "vllm" else local_host(args)).start()  # the page is up meanwhile
+    host = backend_host(args).start()  # the page is up meanwhile
     from specconsole.app import launch  # gradio takes seconds to import: the models load meanwhile
 
     # Managed vLLM servers stop with the console however it ends: Ctrl-C ends launch(); SIGTERM and SIGHUP (whose
@@ -326,7 +426,7 @@ def console(args) -> int:
     atexit.register(host.close)
     log.info("history in %s; open http://%s:%d", args.db, args.host, args.port)
     try:
-        launch(host, history, args.host, args.port, auth)
+        launch(host, history, args.host, args.port, auth, share=args.share)
     finally:
         host.close()
     return 0
@@ -341,7 +441,11 @@ def suite(args) -> int:
     from specconsole.history import History
     from specconsole.suite_job import SuiteJob, export_suite
     from specconsole.suites import categories, load_file, load_suite, suite_items
+    from specconsole.workbench import check_plan
 
+    values = args.values.split(",") if args.values else None
+    check_plan(args.sweep, values, args.repeats, args.prompts)
+    check_limits(args, "each suite prompt brings its own")
     items = []
     try:
         for category in args.category or ([] if args.file or args.suite else categories()):
@@ -353,14 +457,14 @@ def suite(args) -> int:
     except ValueError as e:  # an unknown category, a bad file, an external suite's package not installed
         log.error("%s", e)
         return 2
-    host = (vllm_host(args) if args.backend == "vllm" else local_host(args)).start()
+    host = backend_host(args).start()
     try:
         if not host.wait():
             log.error("%s", host.status())
             return 2
         history = None if args.sweep == "concurrency" else History(args.db)  # the sweep is not saved as runs
         job = SuiteJob(host.backend, history, items, build_request(args, "", host.method), args.mode, args.sweep,
-                       args.values.split(",") if args.values else None, args.repeats)
+                       values, args.repeats)
         try:
             job.check()
         except ValueError as e:
@@ -374,7 +478,7 @@ def suite(args) -> int:
             return 0
         agg = exported.aggregates
         sys.stdout.write(agg.drop(columns=["per_position", "prompt_speedups"]).to_string(index=False) + "\n\n")
-        sys.stdout.write("\n\n".join(a.markdown() for a in exported.advice) + "\n")
+        sys.stdout.write("\n\n".join(a.text() for a in exported.advice) + "\n")
         log.info("suite %s: runs saved in %s; CSV %s", job.suite_id, args.db, " and ".join(map(str, exported.paths)))
         return 0
     finally:
@@ -402,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "suite":
         from specconsole.suites import EXTERNAL_SUITES
-        from engine.request import METHODS
+        from engine import limits
         from specconsole.workbench import SWEEPS
 
         p = argparse.ArgumentParser(prog="launch.py suite", description="run prompt suites on both engines")
@@ -413,12 +517,15 @@ def main(argv: list[str] | None = None) -> int:
                        help="external suite, read from its pinned PyPI package (repeatable)")
         p.add_argument("--file", help="your own suite: JSONL or CSV with a prompt column")
         p.add_argument("--prompts", type=int, default=8,
-                       help="prompts per suite: the first N of a category or file, N sampled from an external suite")
+                       help="prompts per suite: the first N of a category or file, N sampled from an external suite "
+                            f"(at most {limits.MAX_PROMPTS_PER_SUITE})")
         p.add_argument("--sample-seed", type=int, default=0, help="seed of the external suites' sample")
         p.add_argument("--sweep", default="none", choices=sorted(SWEEPS))
-        p.add_argument("--values", help="comma-separated sweep values (default: the sweep's usual ones)")
+        p.add_argument("--values", help="comma-separated sweep values (default: the sweep's usual ones; at most "
+                                        f"{limits.MAX_SWEEP_VALUES}, concurrency up to {limits.MAX_CONCURRENCY})")
         p.add_argument("--repeats", type=int, default=1,
-                       help="runs per prompt, interleaved, alternating which engine goes first; 2+ measure the noise")
+                       help="runs per prompt, interleaved, alternating which engine goes first; 2+ measure the noise "
+                            f"(at most {limits.MAX_REPEATS})")
         p.add_argument("--mode", default="fair", choices=["fair", "race"])
         add_request_args(p, suite=True)
         p.add_argument("--out", default="results.csv", help="per-run CSV (the per-category CSV goes beside it)")
@@ -444,7 +551,11 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
         p.add_argument("--port", type=int, default=7860)
         p.add_argument("--auth-env", default="SPECCONSOLE_AUTH",
-                       help="environment variable holding user:password; required for a non-loopback --host")
+                       help="environment variable holding user:password; required for a non-loopback --host "
+                            "and for --share")
+        p.add_argument("--share", action="store_true",
+                       help="open a public Gradio share link (needs the login of --auth-env; never opened otherwise, "
+                            "whatever GRADIO_SHARE or a hosted notebook says)")
         add_backend_args(p)
         add_engine_args(p)
         args, run = p.parse_args(argv), console

@@ -1,6 +1,10 @@
 """What the page costs: the engines in the browser against the same request through the backend API.
 
-    python -m benchmarks.page [--preset qwen-coder] [--runs 3] [--max-new-tokens 32]
+    python -m benchmarks.page [--preset qwen-coder] [--runs 5] [--max-new-tokens 32]
+    python -m benchmarks.page --backend llamacpp [--llamacpp-method ngram-simple ...]   llama.cpp engines
+
+Options this script does not know (--llamacpp-method, --llamacpp-threads, --target, ...) go to launch.py, so that
+both phases build the same backend the same way (launch.backend_host).
 
 Phase 1 starts the console (launch.py) on a free loopback port with a fresh history file, lets Debian's Chromium
 show the page and run the same comparison `--runs` times (after one warm-up run), and measures each run: the
@@ -14,6 +18,7 @@ here is a test.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import platform
@@ -77,8 +82,8 @@ def page_phase(args) -> list[dict]:
     log.info("console log: %s", console_log.name)
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False")
-    console = subprocess.Popen([sys.executable, "launch.py", "--preset", args.preset, "--port", str(port),
-                                "--db", str(db)], cwd=ROOT, env=env, stdout=console_log, stderr=subprocess.STDOUT)
+    console = subprocess.Popen([sys.executable, "launch.py", *launch_args(args), "--port", str(port), "--db", str(db)],
+                               cwd=ROOT, env=env, stdout=console_log, stderr=subprocess.STDOUT)
     runs = []
     try:
         with sync_playwright() as pw:
@@ -132,18 +137,36 @@ def _latest_run(db: Path) -> dict:
             break
         time.sleep(0.2)
     conn.close()
+    machine = json.loads(row["comparison"] or "{}")
     return {"baseline_tps": row["baseline_tps"], "speculative_tps": row["speculative_tps"], "status": row["status"],
-            "noisy": row["noisy"]}
+            "noisy": row["noisy"], "page_cores": machine.get("page_cores"), "other_cores": machine.get("other_cores")}
+
+
+def launch_args(args) -> list[str]:
+    """The console's command line: the preset, the backend and the options launch.py takes for them."""
+    return ["--preset", args.preset, "--backend", args.backend, *args.launch]
 
 
 def api_phase(args) -> list[dict]:
-    from engine.local_backend import LocalBackend
-    from engine.models import PRESETS
+    import launch
     from engine.request import build_request
+
+    p = argparse.ArgumentParser(prog="launch.py")
+    launch.add_engine_args(p)
+    launch.add_backend_args(p)
+    host = launch.backend_host(p.parse_args(launch_args(args))).start()  # the backend the console builds
+    try:
+        if not host.wait():
+            raise RuntimeError(f"the API phase's backend did not load: {host.status()}")
+        return _api_runs(args, host.backend, build_request(PROMPT, max_new_tokens=args.max_new_tokens,
+                                                           method=host.method))  # the page's defaults
+    finally:
+        host.close()
+
+
+def _api_runs(args, backend, req) -> list[dict]:
     from specconsole.runner import Comparison
 
-    backend = LocalBackend.from_preset(args.preset)
-    req = build_request(PROMPT, max_new_tokens=args.max_new_tokens, method=PRESETS[args.preset].method)  # the page's defaults
     runs = []
     for i in range(args.runs + 1):
         comp = Comparison(backend, req, "fair", None, {})
@@ -152,7 +175,8 @@ def api_phase(args) -> list[dict]:
             pass
         r = comp.results
         row = {"baseline_tps": r["baseline"].metrics["tokens_per_s"],
-               "speculative_tps": r["speculative"].metrics["tokens_per_s"], "noisy": comp.machine.get("noisy")}
+               "speculative_tps": r["speculative"].metrics["tokens_per_s"], "noisy": comp.machine.get("noisy"),
+               "page_cores": comp.machine.get("page_cores"), "other_cores": comp.machine.get("other_cores")}
         log.info("API run %d%s: %s", i, " (warm-up)" if i == 0 else "", row)
         if i:
             runs.append(row)
@@ -163,10 +187,12 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", default="qwen-coder")
-    p.add_argument("--runs", type=int, default=3, help="measured runs per phase (after one warm-up each)")
+    p.add_argument("--backend", default="local", choices=["local", "llamacpp"])
+    p.add_argument("--runs", type=int, default=5, help="measured runs per phase (after one warm-up each)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--load-timeout", type=int, default=900, help="seconds to wait for the models in the page")
-    args = p.parse_args(argv)
+    args, rest = p.parse_known_args(argv)
+    args.launch = rest  # launch.py's own options
     if not os.path.exists(CHROMIUM):
         log.error("needs Debian's chromium at %s (bash .ci/setup test installs it)", CHROMIUM)
         return 2
@@ -175,12 +201,20 @@ def main(argv=None) -> int:
     api = api_phase(args)
     med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
     out = sys.stdout
-    out.write(f"\npage cost: preset {args.preset}, {args.max_new_tokens} new tokens, greedy, fair mode, medians of "
+    out.write(f"\npage cost: {args.backend} backend, preset {' '.join([args.preset, *args.launch])}, "
+              f"{args.max_new_tokens} new tokens, greedy, fair mode, medians of "
               f"{args.runs} runs per phase after a warm-up; machine: {machine()}; {time.strftime('%Y-%m-%d')}\n")
     out.write("| figure | page | API | page / API |\n| --- | --- | --- | --- |\n")
     out.write(f"| browser CPU during a run (cores) | {med(page, 'browser_cores'):.3f} | – | – |\n")
     out.write(f"| console process CPU during a run (cores) | {med(page, 'console_cores'):.2f} | – | – |\n")
-    for key, name in (("baseline_tps", "baseline tok/s"), ("speculative_tps", "speculative tok/s")):
+    for key, name in (("page_cores", "console's own work during timed passes (cores)"),
+                      ("other_cores", "other processes during a run (cores)")):
+        out.write(f"| {name} | {med(page, key):.3f} | {med(api, key):.3f} | – |\n")
+    for rows in (page, api):
+        for r in rows:
+            r["speedup"] = r["speculative_tps"] / r["baseline_tps"]
+    for key, name in (("baseline_tps", "baseline tok/s"), ("speculative_tps", "speculative tok/s"),
+                      ("speedup", "speedup (per run)")):
         a, b = med(page, key), med(api, key)
         out.write(f"| {name} | {a:.2f} | {b:.2f} | {a / b:.2f} |\n")
     out.write(f"| runs marked noisy | {sum(bool(r['noisy']) for r in page)}/{len(page)} | "

@@ -61,7 +61,11 @@ class PassCounter:
 
 
 def run_engine(backend, engine: str, req: Request) -> RunResult:
-    *_, result = (backend.baseline if engine == "baseline" else backend.speculative)(req)
+    """One run on "baseline", "speculative" or an extra speculative engine of the backend ("speculative-2" ...)."""
+    if engine in ("baseline", "speculative"):
+        *_, result = (backend.baseline if engine == "baseline" else backend.speculative)(req)
+    else:
+        *_, result = backend.speculative(req, engine=engine)
     if result.error:
         raise RuntimeError(f"{engine} failed: {result.error}")
     return result

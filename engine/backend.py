@@ -21,6 +21,17 @@ from engine.request import Request
 
 Clock = Callable[[], float]
 
+# The engines of a comparison: the baseline, the main speculative engine, and up to MAX_EXTRA more speculative ones
+# (an N-way run; the page has panels for four speculative engines in all), named by extra_engine().
+ENGINES = ("baseline", "speculative")
+MAX_EXTRA = 3
+
+
+def extra_engine(i: int) -> str:
+    """The name of the i-th extra speculative engine (0-based): speculative-2, speculative-3, ..."""
+    return f"speculative-{i + 2}"
+
+
 # Settings of a Request that only the drafting side reads; a backend without per-request drafting ignores them.
 DRAFTING_SETTINGS = ("method", "k", "dynamic_k", "fallback", "draft_confidence", "draft_vocab")
 
@@ -77,8 +88,10 @@ class Backend(Protocol):
     def reconfigure(self, speculative: dict) -> None:
         """Restart the speculative side with another drafting config (only with capabilities.can_reconfigure)."""
 
-    def throughput(self, engine: str, prompts: list[str], max_new_tokens: int) -> tuple[int, float]:
-        """Send all prompts at once (greedy); return (completion tokens, seconds). Only with concurrent_requests."""
+    def throughput(self, engine: str, prompts: list[str], max_new_tokens: int,
+                   cancel: threading.Event | None = None) -> tuple[int, float]:
+        """Send all prompts at once (greedy); return (completion tokens, seconds). Only with concurrent_requests.
+        Once `cancel` is set it stops waiting, drops the requests still open, and returns what had finished."""
 
     def close(self) -> None:
         """Release what the backend started (servers); safe to call twice."""

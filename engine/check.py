@@ -28,11 +28,11 @@ import re
 
 log = logging.getLogger(__name__)
 
-# Calibration (python -m benchmarks.calibrate_check; the figures are in the README): SmolLM2-135M-Instruct on the
-# local engine, n-gram drafts K=4, 4 prompts of each of the 6 suite categories at temperatures 0.4, 0.7, 1.0 and
-# 1.2, 16 and 64 new tokens, two seeds: 384 lossless pairs. NLL_speculative - NLL_baseline (over the shorter
-# length) stayed within 1.42 nats/token below temperature 1 (190 pairs; 0.99 for 32 tokens or more) and within 2.96
-# from 1 on (192 pairs); each margin is 1.5 times that, rounded up to half a nat.
+# Calibration (python -m benchmarks.calibrate_check; the figures are in docs/sampling-check.md):
+# SmolLM2-135M-Instruct on the local engine, n-gram drafts K=4, 4 prompts of each of the 6 suite categories at
+# temperatures 0.4, 0.7, 1.0 and 1.2, 16 and 64 new tokens, two seeds: 384 lossless pairs. NLL_speculative -
+# NLL_baseline (over the shorter length) stayed within 1.42 nats/token below temperature 1 (190 pairs; 0.99 for 32
+# tokens or more) and within 2.96 from 1 on (192 pairs); each margin is 1.5 times that, rounded up to half a nat.
 NLL_MARGINS = ((1.0, 2.5), (math.inf, 4.5))  # (below this temperature, the margin in nats/token)
 # The difference must also be large against the spread of the baseline's own tokens (z_score): a weaker model than
 # the one calibrated on, whose tokens are all uncertain, differs more between lossless samples.

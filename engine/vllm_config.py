@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.sampling import MAX_K
+from engine.limits import MAX_K
 from engine.vllm_server import VLLMError
 
 METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa", "mtp", "suffix")

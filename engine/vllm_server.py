@@ -1,8 +1,8 @@
 """vLLM server processes the console starts and stops: command line, environment, start-up, and the guarantee that
 none outlives its console.
 
-Each server runs under engine/server_guard.py, in a session of its own, tied to the console by a pipe: when the
-console ends for any reason (even SIGKILL) the guard stops the server and its children. Each managed port is
+Each server is an engine.guarded_process.GuardedProcess: it stops with the console, however the console ends, and
+sees only an allow-list of its environment. Each managed port is
 recorded (cache_dir()/servers/PORT.json: the guard's pid, the console's pid); at start, a port still held is either
 freed, when the record shows it belongs to a console that is gone, or reported with the holder's pid and how to
 stop it.
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -21,14 +20,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import psutil
 
+from engine.guarded_process import GuardedProcess, _group_alive, healthy, server_env, stop_group
 from engine.weights import cache_dir
 
 log = logging.getLogger(__name__)
-
-GUARD = Path(__file__).resolve().parent / "server_guard.py"
 
 
 class VLLMError(RuntimeError):
@@ -50,6 +47,9 @@ class ServerConfig:
     served_name: str = "target"
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict = field(default_factory=dict)  # e.g. VLLM_* settings for this server only
+    # the key the server demands on /v1 (vLLM reads VLLM_API_KEY): in its environment, not on its command line,
+    # which is logged and which `ps` shows to every user
+    api_key: str | None = field(default=None, repr=False)
 
     def command(self) -> list[str]:
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
@@ -65,7 +65,9 @@ class ServerConfig:
         return cmd + self.extra_args
 
     def env(self) -> dict:
-        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+        env = server_env(dict(os.environ)) | {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key
         if not self.gpu:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gb)
             if self.cpu_core is not None:
@@ -73,15 +75,13 @@ class ServerConfig:
         return env | self.extra_env
 
 
-class VLLMServer:
+class VLLMServer(GuardedProcess):
     """One vLLM server process (under its guard) with its log file; start() returns when it answers, or raises
     with the log's tail."""
 
     def __init__(self, config: ServerConfig, log_dir: Path):
+        super().__init__(f"{config.role} vLLM server", log_dir / f"vllm-{config.role}-{config.port}.log", VLLMError)
         self.config = config
-        self.log_path = log_dir / f"vllm-{config.role}-{config.port}.log"
-        self.proc: subprocess.Popen | None = None  # the guard; its pid is the process group of the server
-        self._lifeline: int | None = None  # the pipe's write end: closed when this process ends
 
     @property
     def url(self) -> str:
@@ -90,49 +90,14 @@ class VLLMServer:
     def start(self, timeout: float = 600) -> None:
         claim_port(self.config.port, self.config.role)
         log.info("starting the %s vLLM server: %s", self.config.role, " ".join(self.config.command()))
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        read_end, self._lifeline = os.pipe()  # both ends non-inheritable: no other child keeps the pipe open
-        with open(self.log_path, "w") as logfile:
-            self.proc = subprocess.Popen([self.config.python, str(GUARD), str(read_end), "--", *self.config.command()],
-                                         env=self.config.env(), stdout=logfile, stderr=subprocess.STDOUT,
-                                         start_new_session=True, pass_fds=(read_end,))
-        os.close(read_end)
+        self.spawn(self.config.command(), self.config.env(), python=self.config.python)
         record_port(self.config.port, self.config.role, self.proc.pid)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.stop()
-                raise VLLMError(f"the {self.config.role} vLLM server exited with code {self.proc.returncode} while "
-                                f"starting. End of its log ({self.log_path}):\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    log.info("%s server ready at %s", self.config.role, self.url)
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        self.stop()
-        raise VLLMError(f"the {self.config.role} vLLM server did not answer within {timeout:.0f} s. "
-                        f"End of its log ({self.log_path}):\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 25) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        self.wait_ready(lambda: healthy(self.url), timeout, poll_s=1.0)
+        log.info("%s server ready at %s", self.config.role, self.url)
 
     def stop(self) -> None:
         """Ask the guard to stop the server (it waits for vLLM's own shutdown); kill the whole group if it hangs."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(40)
-            except subprocess.TimeoutExpired:
-                stop_group(self.proc.pid, grace=0)
-                self.proc.wait(10)
-        if self._lifeline is not None:
-            os.close(self._lifeline)
-            self._lifeline = None
+        super().stop(grace=40.0)
         if self.proc is not None:
             forget_port(self.config.port, self.proc.pid)
 
@@ -167,17 +132,6 @@ def _prune(records: Path) -> None:
                 path.unlink(missing_ok=True)
         except (OSError, ValueError, KeyError):
             continue
-
-
-def _group_alive(group: int) -> bool:
-    """Whether a process of this group still runs (zombies, which hold no port and no memory, do not count)."""
-    for p in psutil.process_iter(["status"]):
-        try:
-            if os.getpgid(p.pid) == group and p.info["status"] != psutil.STATUS_ZOMBIE:
-                return True
-        except OSError:
-            continue
-    return False
 
 
 def forget_port(port: int, guard_pid: int) -> None:
@@ -229,20 +183,6 @@ def orphan_group(port: int, holder: psutil.Process | None) -> int | None:
     except (OSError, psutil.NoSuchProcess):
         return None
     return record["group"] if mine else None
-
-
-def stop_group(group: int, grace: float = 20.0) -> None:
-    """SIGTERM a process group, then SIGKILL what is left after `grace` seconds."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(group, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            if not _group_alive(group):
-                return
-            time.sleep(0.2)
 
 
 def claim_port(port: int, role: str) -> None:

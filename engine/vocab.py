@@ -5,8 +5,8 @@ its rows are tokens a draft hardly ever proposes. Greedy drafts become the argma
 use the kept rows' distribution as q (zero elsewhere). The target still verifies every draft, so output stays
 exact; only tokens outside the kept set can no longer be drafted.
 
-Frequencies come from text we ship or every machine has: this project's README (English prose and Markdown, as
-chat answers are written) and the Python standard library's own source (code, comments and English docstrings),
+Frequencies come from text we ship or every machine has: this project's README and docs/ (English prose and Markdown,
+as chat answers are written) and the Python standard library's own source (code, comments and English docstrings),
 read in a fixed order up to CORPUS_CHARS, tokenized with the draft's tokenizer. Never the evaluation prompts
 (HumanEval, MT-Bench). Tokens the corpus never uses follow in id order, which for a BPE tokenizer is its merge
 order: roughly their frequency in the tokenizer's own training text. The ranking is cached per tokenizer and
@@ -38,11 +38,13 @@ RANKING_VERSION = 2  # bump when the corpus or the ranking rule changes: older c
 
 
 def corpus(limit: int = CORPUS_CHARS) -> list[str]:
-    """The README, then the standard library's .py files in path order, up to `limit` characters. The standard
-    library's tests and site-packages are left out: the first is repetitive, the second differs between machines.
+    """The README and docs/, then the standard library's .py files in path order, up to `limit` characters. The
+    standard library's tests and site-packages are left out: the first is repetitive, the second differs between
+    machines.
     (The source alone lacks Markdown: without the README a code answer's ``` fence fell outside 32768 tokens.)"""
-    readme = Path(__file__).resolve().parent.parent / "README.md"
-    texts = [readme.read_text(encoding="utf-8")] if readme.exists() else []
+    project = Path(__file__).resolve().parent.parent
+    pages = [project / "README.md", *sorted((project / "docs").glob("*.md"))]
+    texts = [page.read_text(encoding="utf-8") for page in pages if page.exists()]
     size = sum(map(len, texts))
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"test", "tests", "site-packages", "idle_test"}

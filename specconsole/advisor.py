@@ -7,8 +7,10 @@ The verdict comes from the 95 % bootstrap interval of the category's median spee
   spread seen between prompts needs for a decision, or that the measured gain lies in the 1.00-1.05x band, where
   more prompts will not decide it.
 A sweep recommends another setting ("enable with these settings") only when that setting's interval lies wholly
-above the default's and itself clears 1.05x. Acceptance, memory, prefill share, concurrency and the machine's noise
-explain the figure; they never override it. Every reason quotes the number it came from.
+above the default's and itself clears 1.05x; where every value swept is measurably slower, the advice stays "don't"
+and names the value that loses least (the highest median speedup). Acceptance, memory, prefill share, concurrency,
+the machine's noise and how often the greedy output stayed the baseline's explain the figure; they never override it.
+Every reason quotes the number it came from.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from statistics import median
 import pandas as pd
 
 from engine.stats import log_spread, prompts_needed
+from specconsole.markup import md
 
 ENABLE_AT = 1.05  # the interval's lower bound must clear this: a smaller gain is not worth a second engine path
 SLOWER_BELOW = 1.0  # an upper bound below this: measurably slower than the baseline
@@ -37,6 +40,8 @@ class Advice:
     reasons: list[str] = field(default_factory=list)
     settings: dict = field(default_factory=dict)
     interval: tuple[float, float, float] | None = None  # (median, low, high) of the speedup the verdict rests on
+    least_loss: dict = field(default_factory=dict)  # every value swept loses: the one that loses least
+    least_loss_speedup: float | None = None  # and its median speedup
 
     def details(self) -> str:
         """What follows "category: verdict" in a headline: the speedup with its interval, and the settings."""
@@ -47,10 +52,19 @@ class Advice:
             out = f" ({word} {point:.2f}x, 95 % CI {low:.2f}x to {high:.2f}x)"
         if self.settings:
             out += " with " + ", ".join(f"{k} = {v}" for k, v in self.settings.items())
+        if self.least_loss:
+            out += "; loses least with " + ", ".join(f"{k} = {v}" for k, v in self.least_loss.items())
+            out += f" ({self.least_loss_speedup:.2f}x)" if self.least_loss_speedup is not None else ""
         return out
 
     def markdown(self) -> str:
-        return f"**{self.category}: {self.verdict}**{self.details()}\n" + "\n".join(f"- {r}" for r in self.reasons)
+        """For the page: the category, settings and reasons quote suite files and the history, so they are text."""
+        return (f"**{md(self.category)}: {md(self.verdict)}**{md(self.details())}\n"
+                + "\n".join(f"- {md(r)}" for r in self.reasons))
+
+    def text(self) -> str:
+        """For the terminal: the same lines, plain."""
+        return f"{self.category}: {self.verdict}{self.details()}\n" + "\n".join(f"- {r}" for r in self.reasons)
 
 
 def _known(value) -> bool:
@@ -116,6 +130,31 @@ def _better_setting(rows: pd.DataFrame, base, sweep_variable: str) -> tuple[pd.S
         return None, None
     return None, (f"{sweep_variable} = {best['sweep_value']} measured {_ci(best)}, but its interval does not lie "
                   f"clear above the default's {_ci(base)} (and clear of {ENABLE_AT:.2f}x): not a measured improvement")
+
+
+def _least_loss(rows: pd.DataFrame, sweep_variable: str) -> tuple[pd.Series | None, str | None]:
+    """Where every value swept is measurably slower (each on enough prompts): the one with the highest median
+    speedup and a sentence naming it; (None, None) otherwise."""
+    slower = rows[(rows["prompts"] >= MIN_PROMPTS) & (rows["speedup_high"] < SLOWER_BELOW)]
+    if len(rows) < 2 or len(slower) < len(rows):
+        return None, None
+    best = rows.loc[rows["speedup"].idxmax()]
+    return best, (f"every {sweep_variable} swept is measurably slower than the baseline ({len(rows)} values): "
+                  f"{sweep_variable} = {best['sweep_value']} loses least: {_ci(best)}")
+
+
+def _identity(row) -> list[str]:
+    """How often the greedy output stayed the baseline's ("k/n" of the aggregate), and the backend's reason where
+    it did not."""
+    identical = row.get("identical")
+    if not isinstance(identical, str) or "/" not in identical:
+        return []
+    same, runs = (int(part) for part in identical.split("/"))
+    if not runs:
+        return []
+    note = row.get("divergence_note")
+    why = f"; {note}" if same < runs and isinstance(note, str) and note else ""
+    return [f"greedy output identical to the baseline's in {same} of {runs} runs{why}"]
 
 
 def _explanations(row, memory: dict | None, verdict: str) -> list[str]:
@@ -190,21 +229,26 @@ def advise(aggregate: pd.DataFrame, sweep_variable: str | None = None, default_v
                    f"{base['speedup_high']:.2f}x"]
         verdict, why = _verdict(base)
         reasons += why
-        chosen, settings = base, {}
+        chosen, settings, least_loss = base, {}, {}
         if sweep_variable:
             better, note = _better_setting(rows, base, sweep_variable)
-            if better is not None:
+            least, loss = _least_loss(rows, sweep_variable)
+            if least is not None and verdict == "don't":
+                least_loss = {sweep_variable: least["sweep_value"]}
+                reasons.append(loss)  # says more than the "not a measured improvement" note
+            elif better is not None:
                 verdict, chosen = "enable with these settings", better
                 settings[sweep_variable] = better["sweep_value"]
                 reasons.append(f"{sweep_variable} = {better['sweep_value']} measured {_ci(better)}, clear above the "
                                f"default's {_ci(base)}")
             elif note:
                 reasons.append(note)
-        reasons += _explanations(chosen, memory, verdict)
+        reasons += _explanations(chosen, memory, verdict) + _identity(chosen)
         if concurrency is not None and not concurrency.empty:
             reasons += _concurrency(concurrency)
         expected = float(chosen["speedup"]) if verdict.startswith("enable") else None
-        out.append(Advice(category, verdict, expected, reasons, settings, _interval(chosen)))
+        out.append(Advice(category, verdict, expected, reasons, settings, _interval(chosen), least_loss,
+                          float(least["speedup"]) if least_loss else None))
     return out
 
 

@@ -4,6 +4,8 @@ An N-way comparison passes its extra speculative engines as `others` (label -> R
 
 from __future__ import annotations
 
+from html import escape
+
 import plotly.graph_objects as go
 
 from engine.events import RunResult
@@ -25,7 +27,7 @@ def acceptance_per_step(spec: RunResult | None, others: dict[str, RunResult] | N
         fig.update_layout(barmode="overlay")
     for (label, run), colour in zip((others or {}).items(), EXTRA_COLOURS):  # accepted per step, as markers
         steps = [s for s in run.steps if s.drafted > 0]
-        fig.add_scatter(x=[s.time_s for s in steps], y=[s.accepted for s in steps], name=f"accepted ({label})",
+        fig.add_scatter(x=[s.time_s for s in steps], y=[s.accepted for s in steps], name=f"accepted ({escape(label)})",
                         mode="markers", marker=dict(color=colour, size=6))
     fig.update_layout(title="Drafted and accepted per step", xaxis_title="seconds", yaxis_title="tokens", **LAYOUT)
     return fig
@@ -34,7 +36,7 @@ def acceptance_per_step(spec: RunResult | None, others: dict[str, RunResult] | N
 def per_position(spec: RunResult | None, others: dict[str, RunResult] | None = None) -> go.Figure:
     fig = go.Figure()
     runs = [("speculative" if others else "acceptance", spec, ORANGE),
-            *[(label, run, colour) for (label, run), colour in zip((others or {}).items(), EXTRA_COLOURS)]]
+            *[(escape(label), run, colour) for (label, run), colour in zip((others or {}).items(), EXTRA_COLOURS)]]
     for name, run, colour in runs:  # one bar group per engine, side by side
         rates = run.metrics.get("per_position_acceptance", []) if run else []
         if rates:
@@ -48,7 +50,8 @@ def tokens_over_time(baseline: RunResult | None, spec: RunResult | None,
                      others: dict[str, RunResult] | None = None) -> go.Figure:
     fig = go.Figure()
     lines = [(baseline, "baseline", GREY, "dot"), (spec, "speculative", PURPLE, "solid"),
-             *[(run, label, colour, "solid") for (label, run), colour in zip((others or {}).items(), EXTRA_COLOURS)]]
+             *[(run, escape(label), colour, "solid") for (label, run), colour in zip((others or {}).items(),
+                                                                                    EXTRA_COLOURS)]]
     for run, name, colour, dash in lines:
         if run:
             out = run.output_tokens

@@ -15,13 +15,22 @@ prompts are untrusted text, so such string cells get a leading apostrophe.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import csv
 import json
+import logging
+import os
+import re
+import shutil
 import sqlite3
+import tempfile
+import threading
 from pathlib import Path
 
 from specconsole.history import EVENT_TABLES, History
+
+log = logging.getLogger(__name__)
 
 FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 
@@ -94,6 +103,10 @@ def _summary_row(run: dict, engines: list[dict] | None = None) -> dict:
     comparison = json.loads(run.get("comparison") or "{}")
     for key in COMPARISON_KEYS:
         row[key] = comparison.get(key)
+    if comparison.get("identical") is False:  # the backend's reason a greedy output can part (llama.cpp)
+        note = json.loads(run.get("speculative_metrics") or "{}").get("divergence_note")
+        if note:
+            row["divergence_note"] = note
     for engine in ("baseline", "speculative"):
         metrics = json.loads(run.get(f"{engine}_metrics") or "{}")
         for key in METRIC_KEYS:
@@ -183,3 +196,52 @@ def export_all(history: History, out_dir: Path, run_ids: list[str] | None = None
         return (write_summary(conn, out_dir / "specconsole_runs.csv", run_ids),
                 write_tokens(conn, out_dir / "specconsole_tokens.csv", run_ids),
                 write_engines(conn, out_dir / "specconsole_engines.csv", run_ids))
+
+
+# --- where exported files go -------------------------------------------------------------------------------------
+
+# An id that goes into a file name (suite_<id>.csv, replay-<id>.html): the console's own ids are hex (and conc-<n>);
+# anything else, e.g. from an edited history file, could walk out of the export folder.
+FILE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def file_id(value: str, what: str) -> str:
+    """`value` if it can name a file as it is; ValueError otherwise (nothing is built from it)."""
+    if not FILE_ID.fullmatch(value):
+        raise ValueError(f"the {what} id {value[:80]!r} cannot name a file (only letters, digits, '-' and '_', at "
+                         f"most 64): nothing was exported")
+    return value
+
+
+class ExportFolder:
+    """This process's one folder for exported files: <temp>/specconsole-<pid>-<random>/, made private and
+    unpredictable by mkdtemp on first use, removed when the process exits. Each kind of export (the runs CSVs, the
+    replays, a suite) has a subfolder that the next export of that kind empties first, so that repeated exports take
+    the space of the last one. The page runs one export of a kind at a time (the handlers' concurrency_limit=1):
+    the next export would empty the folder while Gradio copies the files of the last."""
+
+    def __init__(self, base: str | Path | None = None):
+        self.base = Path(base) if base is not None else None  # None: tempfile.gettempdir()
+        self._root: Path | None = None
+        self._lock = threading.Lock()
+
+    def root(self) -> Path:
+        with self._lock:
+            if self._root is None or not self._root.is_dir():
+                if self.base is not None:
+                    self.base.mkdir(parents=True, exist_ok=True)
+                self._root = Path(tempfile.mkdtemp(prefix=f"specconsole-{os.getpid()}-", dir=self.base))
+                atexit.register(shutil.rmtree, self._root, True)
+                log.info("exported files go to %s (each export replaces the last of its kind; removed at exit)",
+                         self._root)
+            return self._root
+
+    def fresh(self, kind: str) -> Path:
+        """The empty subfolder for an export of `kind` (the files of the last such export are removed)."""
+        folder = self.root() / file_id(kind, "export kind")
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        return folder
+
+
+EXPORTS = ExportFolder()  # the console's

@@ -7,6 +7,7 @@ import re
 from html import escape
 
 from engine.events import RunResult, TokenEvent, TokenKind
+from specconsole.markup import number
 
 KIND_HELP = {
     TokenKind.ACCEPTED: "accepted: a draft token the target kept",
@@ -21,13 +22,14 @@ PROVISIONAL_NOTE = "provisional: from chunk boundaries"
 
 
 def _title(t: TokenEvent) -> str:
-    parts = [KIND_HELP[t.kind].split(":")[0], f"step {t.step}", f"position {t.position}", f"token id {t.token_id}"]
+    parts = [KIND_HELP[t.kind].split(":")[0], f"step {number(t.step)}", f"position {number(t.position)}",
+             f"token id {number(t.token_id)}"]
     if t.provisional:
         parts.insert(1, PROVISIONAL_NOTE)
     if t.p is not None:
-        parts.append(f"p(target) = {t.p:.3f}")
+        parts.append(f"p(target) = {number(t.p, '.3f')}")
     if t.q is not None:
-        parts.append(f"q(draft) = {t.q:.3f}")
+        parts.append(f"q(draft) = {number(t.q, '.3f')}")
     return ", ".join(parts)
 
 
@@ -100,10 +102,6 @@ def legend_html() -> str:
 HEADLINE = ("speedup", "acceptance (all | last 8 steps)", "tokens/s (baseline | speculative)")
 
 
-def _fmt(value, spec: str, suffix: str = "") -> str:
-    return "–" if value is None else f"{value:{spec}}{suffix}"
-
-
 def _bound_unknown(speculative: RunResult | None, comparison: dict) -> bool:
     """A finished run without the bound: its inputs (draft and verify costs, steps with drafts) were not measured."""
     return bool(speculative and speculative.finish_reason) and comparison.get("theoretical_bound") is None
@@ -119,9 +117,9 @@ def _sampling_check_rows(comparison: dict) -> list[tuple[str, str]]:
     rows = [("sampling check", label.get(status, "not checked") + note)]
     if comparison.get("nll_baseline") is not None:
         rows.append(("NLL nats/token (baseline | speculative)",
-                     f'{comparison["nll_baseline"]:.2f} | {comparison["nll_speculative"]:.2f}'
-                     f'<div class="fig-note">perplexity {comparison["perplexity_baseline"]:.1f} | '
-                     f'{comparison["perplexity_speculative"]:.1f}</div>'))
+                     f'{number(comparison["nll_baseline"], ".2f")} | {number(comparison.get("nll_speculative"), ".2f")}'
+                     f'<div class="fig-note">perplexity {number(comparison.get("perplexity_baseline"), ".1f")} | '
+                     f'{number(comparison.get("perplexity_speculative"), ".1f")}</div>'))
     return rows
 
 
@@ -131,9 +129,8 @@ def _provisional_figure(s: dict) -> str:
         return "–"  # still streaming, or a run that ended in an error
     if s["provisional_accuracy"] is None:
         return "unknown"
-    tokens = escape(str(s.get("output_tokens", "–")))
-    note = f'<div class="fig-note">of {tokens} tokens, guessed from chunk boundaries</div>'
-    return f'{s["provisional_accuracy"]:.0%}{note}'
+    note = f'<div class="fig-note">of {number(s.get("output_tokens"))} tokens, guessed from chunk boundaries</div>'
+    return f'{number(s["provisional_accuracy"], ".0%")}{note}'
 
 
 def figures_html(baseline: RunResult | None, speculative: RunResult | None, comparison: dict, mode: str,
@@ -145,41 +142,48 @@ def figures_html(baseline: RunResult | None, speculative: RunResult | None, comp
         if comparison["identical"]:
             exact = '<span class="exact ok">✔ identical to the baseline</span>'
         elif comparison.get("first_divergence") is not None:
-            exact = (f'<span class="exact diverged">✖ first divergence at token {comparison["first_divergence"]}'
-                     "</span>")
+            exact = (f'<span class="exact diverged">✖ first divergence at token '
+                     f'{number(comparison["first_divergence"])}</span>')
+            if s.get("divergence_note"):  # why this backend's greedy outputs can differ (llama.cpp)
+                exact += f' <span class="why">{escape(str(s["divergence_note"]))}</span>'
     rows = [
-        ("tokens/s (baseline | speculative)", f'{_fmt(b.get("tokens_per_s"), ".2f")} | {_fmt(s.get("tokens_per_s"), ".2f")}'),
-        ("speedup", _fmt(comparison.get("speedup"), ".2f", "×")),
+        ("tokens/s (baseline | speculative)",
+         f'{number(b.get("tokens_per_s"), ".2f")} | {number(s.get("tokens_per_s"), ".2f")}'),
+        ("speedup", number(comparison.get("speedup"), ".2f", "×")),
         *_sampling_check_rows(comparison),
-        ("acceptance (all | last 8 steps)", f'{_fmt(s.get("acceptance_rate"), ".2f")} | {_fmt(rolling_acceptance, ".2f")}'),
-        ("mean accepted length", _fmt(s.get("mean_accepted_length"), ".2f")),
-        ("steps won by a token-tree alternative", str(s.get("tree_accepted", "–"))),
-        ("TTFT ms (baseline | speculative)", f'{_fmt(b.get("ttft_ms"), ".0f")} | {_fmt(s.get("ttft_ms"), ".0f")}'),
-        ("TPOT ms (baseline | speculative)", f'{_fmt(b.get("tpot_ms"), ".1f")} | {_fmt(s.get("tpot_ms"), ".1f")}'),
+        ("acceptance (all | last 8 steps)",
+         f'{number(s.get("acceptance_rate"), ".2f")} | {number(rolling_acceptance, ".2f")}'),
+        ("mean accepted length", number(s.get("mean_accepted_length"), ".2f")),
+        ("steps won by a token-tree alternative", number(s.get("tree_accepted"))),
+        ("TTFT ms (baseline | speculative)", f'{number(b.get("ttft_ms"), ".0f")} | {number(s.get("ttft_ms"), ".0f")}'),
+        ("TPOT ms (baseline | speculative)", f'{number(b.get("tpot_ms"), ".1f")} | {number(s.get("tpot_ms"), ".1f")}'),
         ("target passes saved", "unknown" if "passes_saved" in s and s["passes_saved"] is None
-                                else f'{s.get("passes_saved", "–")} of {s.get("output_tokens", "–")}'),
+                                else f'{number(s.get("passes_saved"))} of {number(s.get("output_tokens"))}'),
         ("bound: ideal | this machine", "unknown" if _bound_unknown(speculative, comparison)
-                                        else f'{_fmt(comparison.get("theoretical_bound"), ".2f", "×")} | '
-                                             f'{_fmt(comparison.get("machine_bound"), ".2f", "×")}'),
-        ("efficiency (speedup / machine bound)", _fmt(comparison.get("efficiency"), ".2f")),
-        ("fallbacks", str(s.get("fallback_count", "–"))),
+                                        else f'{number(comparison.get("theoretical_bound"), ".2f", "×")} | '
+                                             f'{number(comparison.get("machine_bound"), ".2f", "×")}'),
+        ("efficiency (speedup / machine bound)", number(comparison.get("efficiency"), ".2f")),
+        ("fallbacks", number(s.get("fallback_count"))),
     ]
     if "vllm_time_to_first_token_ms" in s:  # what the vLLM servers measured themselves
         rows += [
             ("vLLM TTFT ms (baseline | speculative)",
-             f'{_fmt(b.get("vllm_time_to_first_token_ms"), ".0f")} | {_fmt(s.get("vllm_time_to_first_token_ms"), ".0f")}'),
+             f'{number(b.get("vllm_time_to_first_token_ms"), ".0f")} | '
+             f'{number(s.get("vllm_time_to_first_token_ms"), ".0f")}'),
             ("vLLM ITL ms (baseline | speculative)",
-             f'{_fmt(b.get("vllm_mean_itl_ms"), ".1f")} | {_fmt(s.get("vllm_mean_itl_ms"), ".1f")}'),
+             f'{number(b.get("vllm_mean_itl_ms"), ".1f")} | {number(s.get("vllm_mean_itl_ms"), ".1f")}'),
             ("vLLM tokens/s (baseline | speculative)",
-             f'{_fmt(b.get("vllm_tokens_per_second"), ".1f")} | {_fmt(s.get("vllm_tokens_per_second"), ".1f")}'),
+             f'{number(b.get("vllm_tokens_per_second"), ".1f")} | {number(s.get("vllm_tokens_per_second"), ".1f")}'),
             ("highlighting", escape(str(s.get("highlighting", "–")))),
             ("provisional kinds right", _provisional_figure(s)),
         ]
     rows.append(("mode", escape(mode)))
     if "noisy" in comparison:  # known once the run ended
-        detail = comparison["noise"] if comparison["noisy"] else f"others used {comparison['other_cores']:.2f} cores"
+        detail = (escape(str(comparison.get("noise"))) if comparison["noisy"]
+                  else f"others used {number(comparison.get('other_cores'), '.2f')} cores, the console's page "
+                       f"{number(comparison.get('page_cores'), '.2f')}")
         rows.append(("machine during the run", f'{"noisy" if comparison["noisy"] else "quiet"}'
-                                               f'<div class="fig-note">{escape(detail)}</div>'))
+                                               f'<div class="fig-note">{detail}</div>'))
     cells = "".join(f'<div class="fig{" headline" if k in HEADLINE else ""}"><div class="fig-label">{escape(k)}</div>'
                     f'<div class="fig-value">{v}</div></div>' for k, v in rows)
     return f'<div class="figures">{cells}</div><div class="exactness">{exact}</div>'
@@ -197,13 +201,13 @@ def engines_html(results: dict[str, RunResult], labels: dict[str, str], comparis
         elif c["identical"]:
             same = '<span class="exact ok">✔ identical</span>'
         elif c.get("first_divergence") is not None:
-            same = f'<span class="exact diverged">✖ diverges at token {c["first_divergence"]}</span>'
+            same = f'<span class="exact diverged">✖ diverges at token {number(c["first_divergence"])}</span>'
         else:
             same = "–"
-        cells = [escape(engine), escape(labels.get(engine, engine)), _fmt(m.get("tokens_per_s"), ".2f"),
-                 "–" if engine == "baseline" else _fmt(c.get("speedup"), ".2f", "×"),
-                 _fmt(m.get("acceptance_rate"), ".2f"), _fmt(m.get("mean_accepted_length"), ".2f"),
-                 _fmt(m.get("ttft_ms"), ".0f"), same]
+        cells = [escape(engine), escape(labels.get(engine, engine)), number(m.get("tokens_per_s"), ".2f"),
+                 "–" if engine == "baseline" else number(c.get("speedup"), ".2f", "×"),
+                 number(m.get("acceptance_rate"), ".2f"), number(m.get("mean_accepted_length"), ".2f"),
+                 number(m.get("ttft_ms"), ".0f"), same]
         rows.append(f'<tr data-engine="{escape(engine, quote=True)}">' + "".join(f"<td>{c}</td>" for c in cells)
                     + "</tr>")
     head = "".join(f"<th>{h}</th>" for h in ("engine", "configuration", "tokens/s", "speedup", "acceptance",

@@ -14,7 +14,8 @@ from specconsole.export import neutralise
 
 
 def _label(row) -> str:
-    return f"{row['category']} {row['sweep_value']}".strip()
+    # plotly reads tags (links, styles) in its text: a category from an uploaded file shows as text
+    return escape(f"{row['category']} {row['sweep_value']}".strip())
 
 
 def speedup_chart(agg: pd.DataFrame) -> go.Figure:
@@ -61,6 +62,7 @@ def latency_chart(agg: pd.DataFrame) -> go.Figure:
 def ab_chart(ab: pd.DataFrame, name_a: str, name_b: str) -> go.Figure:
     """workbench.ab_compare rows: the ratio B/A of the speedups per category, with its 95 % interval."""
     fig = go.Figure()
+    name_a, name_b = escape(name_a), escape(name_b)  # plotly reads tags in its text
     both = ab.dropna(subset=["ratio"]) if not ab.empty else ab
     if not both.empty:
         fig.add_bar(x=[_label(r) for _, r in both.iterrows()], y=both["ratio"], name=f"{name_b} / {name_a}",

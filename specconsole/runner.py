@@ -2,16 +2,17 @@
 
 Two modes, shown and saved with every run:
 - fair: the engines take turns, one target forward pass each, so they never compete for the CPU (or GPU); each
-  engine's timings come from a clock that stands still while the other engine computes. The page's own work
-  (building HTML and charts) holds `ui_lock`, which the engines also take around each pass, so it never runs
-  during a timed pass either.
+  engine's timings come from a clock that stands still while the other engine computes. The page's own work stays
+  out of the timed passes too: a turn's events reach the page after the turn; the page builds its HTML and charts
+  under `ui_lock`, which the engines take around each turn; and a turn starts only once Gradio has serialised the
+  page's last update (`page_idle`). What the console's other threads still spend during timed passes is counted
+  (specconsole.machine.ConsoleWork) and marks the run noisy when it matters.
 - race: both engines run at once in two threads, on wall-clock time, sharing the machine.
 
-An N-way comparison (issue 12) adds up to three more speculative engines, "speculative-2" .. "speculative-4", each
+An N-way comparison adds up to three more speculative engines, "speculative-2" .. "speculative-4", each
 with its own drafting settings and label (specconsole.variants), or on vLLM each served by a speculative server of
-its own (Variant.server). The first speculative engine keeps its name, so a
-two-engine run is exactly what it always was. Fair mode takes turns across all engines, one target pass each; race
-mode runs them all at once.
+its own (Variant.server). The first speculative engine keeps its name. Fair mode takes turns across all engines,
+one target pass each; race mode runs them all at once.
 
 While the run goes on, poll() appends the new events to the history about once a second (under `ui_lock`, so never
 during a timed pass), so that a killed console leaves what the run had streamed; the end of the run saves the rest.
@@ -34,13 +35,14 @@ from engine.events import Event, PolicyEvent, Reclassified, RunResult, StepRecor
 from engine.metrics import compare, run_metrics
 from specconsole.history import EventLog, History, HistoryError
 from specconsole.machine import MachineLoad
-from specconsole.variants import MAX_EXTRA, Variant
+from engine.backend import ENGINES, MAX_EXTRA, extra_engine
+from specconsole.variants import Variant
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("baseline", "speculative")
 MODES = ("fair", "race")
 SAVE_EVERY_S = 1.0  # how often a running comparison appends its new events to the history
+PAGE_WAIT_S = 1.0  # the longest a fair turn waits for the page to hand its last update over
 
 
 class TurnLock:
@@ -122,11 +124,6 @@ class LiveRun:
         return self.result
 
 
-def extra_engine(i: int) -> str:
-    """The name of the i-th extra speculative engine (0-based): speculative-2, speculative-3, ..."""
-    return f"speculative-{i + 2}"
-
-
 class Comparison:
     """One request on the baseline and the speculative engine(s). start() returns at once; poll() drains the events
     that have arrived. `extra`: more speculative configurations (specconsole.variants.Variant), at most MAX_EXTRA."""
@@ -159,6 +156,11 @@ class Comparison:
         self.saved_events: EventLog | None = None  # what of this run's events the history has
         self._saved_at = 0.0
         self.ui_lock = TurnLock()
+        # clear while the page's last update is being serialised and sent (specconsole.tab_run); fair mode's turns
+        # wait for it, up to PAGE_WAIT_S (a page that went away must not stall the run)
+        self.page_idle = threading.Event()
+        self.page_idle.set()
+        self.clocks: dict[str, EngineClock] = {}
         self._threads: list[threading.Thread] = []
         self.load: MachineLoad | None = None
         self.machine: dict = {}  # other processes' CPU use during the run, once it finished
@@ -185,6 +187,7 @@ class Comparison:
         else:
             self._threads = [threading.Thread(target=self._race, args=(e,), daemon=True, name=f"specconsole-{e}")
                              for e in self.engines]
+            self.load.console.start()  # engines at once: every moment of the run is timed
         for t in self._threads:
             t.start()
 
@@ -203,57 +206,74 @@ class Comparison:
 
     def _take_turns(self, until: type) -> None:
         """Run one engine until it yields an event of type `until` (a pass, or the whole run), then the next, in
-        turn across all engines; each engine's clock runs only during its own turn."""
-        clocks = {e: EngineClock() for e in self.engines}
+        turn across all engines; each engine's clock runs only during its own turn, and only once the page has
+        handed its last update over (page_idle), so that Gradio's serialisation of it runs between turns."""
+        self.load.console.add_engine_thread()
+        clocks = self.clocks = {e: EngineClock() for e in self.engines}
         streams = {e: self._stream(e, clocks[e]) for e in self.order}
+        # a pass's events reach the page after the turn, so that nothing wakes up to read them during it; a whole
+        # run's (sequential turns) as they come, or the page would not stream
+        hold = until is StepRecord
         while streams:
             for engine in list(streams):
+                turn = []
                 with self.ui_lock:
+                    self.page_idle.wait(PAGE_WAIT_S)
+                    self.load.console.start()
                     clocks[engine].resume()
                     try:
                         for event in streams[engine]:  # up to the end of this engine's next target pass
-                            self.events.put((engine, event))
+                            turn.append((engine, event)) if hold else self.events.put((engine, event))
                             if isinstance(event, (until, RunResult)):
                                 break
                         else:
                             del streams[engine]
                     except Exception as e:  # noqa: BLE001 - an engine that dies is reported, the other goes on
-                        self._crashed(engine, e)
+                        turn.append((engine, self._crashed(engine, e)))
                         del streams[engine]
                     finally:
                         clocks[engine].pause()
+                        self.load.console.stop()
+                for item in turn:
+                    self.events.put(item)
 
     def _race(self, engine: str) -> None:
+        self.load.console.add_engine_thread()
         try:
             for event in self._stream(engine, time.perf_counter):
                 self.events.put((engine, event))
         except Exception as e:  # noqa: BLE001
-            self._crashed(engine, e)
+            self.events.put((engine, self._crashed(engine, e)))
 
-    def _crashed(self, engine: str, error: Exception) -> None:
+    def _crashed(self, engine: str, error: Exception) -> RunResult:
         log.exception("%s engine crashed", engine)
         result = RunResult(engine=engine, method="", prompt_tokens=0, finish_reason="error",
                            error=f"{type(error).__name__}: {error}")
         result.metrics = run_metrics(result)
-        self.events.put((engine, result))
+        return result
 
     # --- reading ---------------------------------------------------------------------------------------------------
 
     def poll(self, timeout: float = 0.1) -> bool:
         """Apply the events that arrived (waiting up to `timeout` for the first); True when both engines finished."""
         try:
-            engine, event = self.events.get(timeout=timeout)
-            self.live[engine].apply(event)
-            while True:
-                engine, event = self.events.get_nowait()
-                self.live[engine].apply(event)
+            arrived = [self.events.get(timeout=timeout)]
         except queue.Empty:
-            pass
+            arrived = []
+        with self.ui_lock:  # fair mode: the events of a turn are applied once the turn is over, not during it
+            try:
+                while True:
+                    arrived.append(self.events.get_nowait())
+            except queue.Empty:
+                pass
+            for engine, event in arrived:
+                self.live[engine].apply(event)
         done = all(r.finished for r in self.live.values())
         if not done:
             self._save_progress()
         if done and self.load is not None and not self.machine:
-            self.machine = self.load.result()
+            self.load.console.stop()  # (turns stopped it after each turn already)
+            self.machine = self.load.result(sum(c.elapsed for c in self.clocks.values()) if self.clocks else None)
         if done and not self.saved:
             self._save()
         return done

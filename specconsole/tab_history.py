@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
-import tempfile
+import logging
+import math
+import numbers
 from html import escape
 from pathlib import Path
 
 import gradio as gr
 import pandas as pd
 
-from specconsole.export import export_all as export_csv_files
+from specconsole.export import EXPORTS, ExportFolder, export_all as export_csv_files, file_id
 from specconsole.replay import UnknownRun, write_replay
 from specconsole.history import History, HistoryError
+from specconsole.markup import md
 from specconsole.render import engines_html, figures_html, tokens_html
 from specconsole.tab_run import figures_for, rolling_acceptance
 from specconsole.suites import categories
@@ -21,9 +24,52 @@ HISTORY_COLUMNS = ["id", "created", "status", "category", "mode", "method", "spe
                    "sampling check", "machine", "prompt"]
 HISTORY_PAGE = 100  # runs per page of the History tab: a long history is read a page at a time
 
+log = logging.getLogger(__name__)
+
 
 def _ids(selected: str | None) -> list[str]:
     return [i.strip() for i in (selected or "").split(",") if i.strip()]
+
+
+def _known(history: History, selected: str | None, what: str) -> list[str]:
+    """The selected run ids, all of them in the history; ValueError naming the others (nothing is exported)."""
+    ids = list(dict.fromkeys(_ids(selected)))
+    if not ids:
+        raise ValueError(f"Select runs in the table first (click a row){what}.")
+    unknown = [i for i in ids if history.run(i) is None]
+    if unknown:
+        shown = ", ".join(repr(i[:40]) for i in unknown[:5]) + (" …" if len(unknown) > 5 else "")
+        raise ValueError(f"no run {shown} in the history: nothing was exported")
+    return ids
+
+
+def export_runs(history: History, selected: str | None, everything: bool,
+                folder: ExportFolder = EXPORTS) -> list[Path]:
+    """The runs, tokens and engines CSVs of the selected runs (or of every run) in the folder's "selected" (or
+    "runs") subfolder, replacing the last such export. ValueError for a selection of unknown runs."""
+    ids = None if everything else _known(history, selected, ", or export the whole history")
+    out = folder.fresh("runs" if everything else "selected")
+    paths = list(export_csv_files(history, out, ids))
+    log.info("%s exported to %s", "the history" if everything else f"{len(ids)} run(s)", out)
+    return paths
+
+
+def export_replays(history: History, selected: str | None, folder: ExportFolder = EXPORTS) -> list[Path]:
+    """One self-contained HTML replay per selected run (replay-<id>.html) in the folder's "replays" subfolder,
+    replacing the last such export. ValueError for unknown runs or an id that cannot name a file."""
+    ids = [file_id(i, "run") for i in _known(history, selected, ": each becomes one replay file")]
+    out = folder.fresh("replays")
+    paths = [write_replay(history, run_id, out / f"replay-{run_id}.html") for run_id in ids]
+    log.info("%d replay(s) exported to %s", len(paths), out)
+    return paths
+
+
+def run_info(row: dict) -> str:
+    """The Markdown line above an opened run: status, date, category, method, mode, error, and the prompt's start."""
+    return (f"**{md(row['status'])}** · {md(row['created_at'] or '')} · {md(row['category'] or '')} · "
+            f"method {md(row['method'] or '')} · mode {md(row['mode'] or '')}"
+            + (f" · error: {md(row['error'])}" if row["error"] else "")
+            + f"\n\n> {md((row['prompt'] or '')[:300])}")
 
 
 def view(results: dict, comparison: dict, mode: str, show_rejected: bool, saved: dict | None = None):
@@ -52,24 +98,34 @@ def view(results: dict, comparison: dict, mode: str, show_rejected: bool, saved:
     return panels[0], panels[1], figures
 
 
+def _figure(value) -> float | None:
+    """A stored figure for the table, rounded; a tampered file's text or NaN shows as an empty cell."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        return None
+    return round(value, 2)
+
+
+def history_rows(history: History, category, page=1) -> tuple[pd.DataFrame, int, str]:
+    """One page of the history: the table, the page number (kept in range) and the line that says where it is."""
+    rows, total, page = history.page(category if category and category != "all" else None, int(page or 1),
+                                     HISTORY_PAGE)
+    pages = max(1, -(-total // HISTORY_PAGE))
+    where = f"page {page} of {pages} · {total:,} run{'s' if total != 1 else ''}"
+    return pd.DataFrame(
+        [[r["id"], (r["created_at"] or "")[:19].replace("T", " "), r["status"], r["category"], r["mode"],
+          r["method"], _figure(r["speedup"]), _figure(r["acceptance_rate"]),
+          {1: "yes", 0: "no"}.get(r["identical"], ""), r.get("sampling_check") or "",
+          {1: "noisy", 0: "quiet"}.get(r["noisy"], ""),
+          r["prompt"] or ""] for r in rows],
+        columns=HISTORY_COLUMNS,
+    ), page, where
+
+
 def build(history: History, tab: gr.Tab, show_rejected: gr.Checkbox, run_event) -> None:
     """`tab` is this tab (it refreshes when selected); `run_event` the Run button's (it refreshes after a run)."""
 
     def history_table(category, page=1):
-        """One page of the history: the table, the page number (kept in range) and the line that says where it is."""
-        rows, total, page = history.page(category if category and category != "all" else None, int(page or 1),
-                                         HISTORY_PAGE)
-        pages = max(1, -(-total // HISTORY_PAGE))
-        where = f"page {page} of {pages} · {total:,} run{'s' if total != 1 else ''}"
-        return pd.DataFrame(
-            [[r["id"], (r["created_at"] or "")[:19].replace("T", " "), r["status"], r["category"], r["mode"],
-              r["method"], None if r["speedup"] is None else round(r["speedup"], 2),
-              None if r["acceptance_rate"] is None else round(r["acceptance_rate"], 2),
-              {1: "yes", 0: "no"}.get(r["identical"], ""), r.get("sampling_check") or "",
-              {1: "noisy", 0: "quiet"}.get(r["noisy"], ""),
-              r["prompt"] or ""] for r in rows],
-            columns=HISTORY_COLUMNS,
-        ), page, where
+        return history_rows(history, category, page)
 
     def select_row(table, selected, evt: gr.SelectData):
         run_id = str(table.iloc[evt.index[0]]["id"])
@@ -86,12 +142,8 @@ def build(history: History, tab: gr.Tab, show_rejected: gr.Checkbox, run_event) 
         comparison = json.loads(row["comparison"] or "{}")
         saved = history.engines(row["id"])
         html = view(results, comparison, row["mode"] or "", show_rejected, saved)
-        info = (f"**{escape(row['status'])}** · {escape(row['created_at'] or '')} · {escape(row['category'] or '')} · "
-                f"method {escape(row['method'] or '')} · mode {escape(row['mode'] or '')}"
-                + (f" · error: {escape(row['error'])}" if row["error"] else "")
-                + f"\n\n> {escape((row['prompt'] or '')[:300])}")
         labels = {e: engine["label"] for e, engine in saved.items()}
-        return (*html, *figures_for(results, labels), info)
+        return (*html, *figures_for(results, labels), run_info(row))
 
     def delete_runs(selected, category, page):
         ids = _ids(selected)
@@ -99,32 +151,29 @@ def build(history: History, tab: gr.Tab, show_rejected: gr.Checkbox, run_event) 
             try:
                 history.delete(ids)
             except HistoryError as e:
-                gr.Warning(f"Nothing was deleted: {e}")
+                gr.Warning(escape(f"Nothing was deleted: {e}"))  # a toast shows HTML
                 return selected, *history_table(category, page)
         return "", *history_table(category, page)
 
-    def export(selected, everything: bool):
-        ids = None if everything else _ids(selected)
-        if not everything and not ids:
-            gr.Warning("Select runs in the table first (click a row), or export the whole history.")
+    def exported(make):
+        """The files `make` exports, or None and a warning that says why none were."""
+        try:
+            paths = make()
+        except (ValueError, UnknownRun, HistoryError, OSError) as e:
+            gr.Warning(escape(str(e)))  # a toast shows HTML
             return None
-        out = Path(tempfile.mkdtemp(prefix="specconsole-export-"))
-        return [str(p) for p in export_csv_files(history, out, ids)]
+        gr.Info(escape(f"{len(paths)} file(s) in {paths[0].parent} (replaced by the next export of this kind)"))
+        return [str(p) for p in paths]
+
+    def export_selected(selected):
+        return exported(lambda: export_runs(history, selected, False))
+
+    def export_everything(selected):
+        return exported(lambda: export_runs(history, selected, True))
 
     def replays(selected):
         """One self-contained HTML file per selected run, replaying it offline at its recorded timing."""
-        ids = _ids(selected)
-        if not ids:
-            gr.Warning("Select runs in the table first (click a row): each becomes one replay file.")
-            return None
-        out = Path(tempfile.mkdtemp(prefix="specconsole-replay-"))
-        paths = []
-        for run_id in ids:
-            try:
-                paths.append(str(write_replay(history, run_id, out / f"replay-{run_id}.html")))
-            except (UnknownRun, HistoryError) as e:
-                gr.Warning(f"No replay of {run_id}: {e}")
-        return paths or None
+        return exported(lambda: export_replays(history, selected))
 
     # --- layout ----------------------------------------------------------------------------------------------------
 
@@ -170,6 +219,7 @@ def build(history: History, tab: gr.Tab, show_rejected: gr.Checkbox, run_event) 
     open_btn.click(open_run, [opened_id, show_rejected],
                    [old_base, old_spec, old_figures, old_steps, old_pos, old_tokens, info])
     delete_btn.click(delete_runs, [selected, filter_cat, page_no], [selected, *history_page])
-    export_sel.click(lambda s: export(s, False), selected, files)
-    export_all.click(lambda s: export(s, True), selected, files)
-    export_replay.click(replays, selected, files)
+    # one export of a kind at a time: the next one empties the folder Gradio copies the last one's files from
+    export_sel.click(export_selected, selected, files, concurrency_limit=1)
+    export_all.click(export_everything, selected, files, concurrency_limit=1)
+    export_replay.click(replays, selected, files, concurrency_limit=1)

@@ -2,8 +2,8 @@
 
 "Compare with" adds up to three more speculative configurations (specconsole.variants.PRESETS) to the run: each
 gets a live panel of its own (pre-built, hidden until used), a row in the engines table under the figures and a
-trace in each chart. With none chosen the page is the two-engine page it always was. On vLLM the choices are the
-extra speculative servers (one per --speculative-config, `--vllm-compare`), not the presets.
+trace in each chart. On vLLM the choices are the extra speculative servers (one per --speculative-config,
+`--vllm-compare`), not the presets.
 
 Its drafting settings are shared with the Workbench (RunSettings). Settings the backend does not apply per request
 (vLLM: the speculative server's config) are greyed out and say who sets them, once the backend is known."""
@@ -25,15 +25,18 @@ from engine.models import ModelError
 from engine.request import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DYNAMIC_K, DEFAULT_K, DEFAULT_MAX_NEW_TOKENS,
                             DEFAULT_SEED, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, MAX_NEW_TOKENS, METHODS, MIN_DRAFT_VOCAB,
                             build_request)
-from engine.sampling import MAX_K, SettingsError
+from engine.limits import MAX_QUEUED_RUNS
+from engine.limits import MAX_K, SettingsError
 from engine.vllm_config import METHODS as VLLM_METHODS, speculative_config
 from specconsole import charts
 from specconsole.history import History
 from specconsole.host import ModelHost
+from specconsole.markup import md
 from specconsole.render import PanelFeed, engines_html, figures_html, legend_html, panel_notice
-from specconsole.runner import ENGINES, MODES, Comparison, extra_engine, run_meta
+from engine.backend import ENGINES, MAX_EXTRA, extra_engine
+from specconsole.runner import MODES, Comparison, run_meta
 from specconsole.suites import categories, load_suite
-from specconsole.variants import MAX_EXTRA, PRESETS, from_presets, label_of, served
+from specconsole.variants import PRESETS, from_presets, label_of, served
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,11 @@ QUEUED = ("Queued behind another run: runs go one at a time, because the timings
           "the CPU. This one starts when that one ends (Stop cancels it).")
 ONE_AT_A_TIME = ("Runs go one at a time (also across browser tabs): the timings of concurrent runs would share the "
                  "CPU, so a second Run waits for the first.")
+TOO_MANY_QUEUED = (f"{MAX_QUEUED_RUNS} runs are already waiting for the engines (the most that may wait): press Run "
+                   "again when one of them has started, or Stop one.")
+# one run on the engines, MAX_QUEUED_RUNS waiting in run() for the lock, and one more handler that refuses the next:
+# Gradio would otherwise hold further clicks in its own queue without a word
+RUN_HANDLERS = MAX_QUEUED_RUNS + 2
 METHOD_LABEL = "Drafting method"
 EXTRA_ENGINES = [extra_engine(i) for i in range(MAX_EXTRA)]  # speculative-2 .. speculative-4: one hidden panel each
 
@@ -101,7 +109,7 @@ def outputs_of(panels=(), figures=None, plots=None, layout=None) -> tuple:
 def extra_layout(labels: list[str]) -> list:
     """Show one extra panel per extra engine (headed by its label), hide the rest."""
     columns = [gr.update(visible=i < len(labels)) for i in range(MAX_EXTRA)]
-    headings = [gr.update(value=f"**{escape(labels[i])}** — speculative configuration {i + 2}")
+    headings = [gr.update(value=f"**{md(labels[i])}** — speculative configuration {i + 2}")
                 if i < len(labels) else gr.skip() for i in range(MAX_EXTRA)]
     return [*columns, *headings]
 
@@ -164,6 +172,7 @@ def _stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
         figures_due = done or now - last_figures >= FIGURES_EVERY_S
         chart_due = done or now - last_chart >= CHART_EVERY_S
         with comp.ui_lock:  # in fair mode: never while an engine's pass is being timed
+            comp.page_idle.clear()  # and the next pass waits until Gradio has serialised this update (below)
             results = comp.results
             panels = [feeds[e].message(results[e].tokens, _panel_note(results[e]), results[e].error,
                                        final=done) for e in comp.engines]
@@ -177,7 +186,12 @@ def _stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
             plots = figures_for(results, comp.labels) if chart_due else None
         last_panel = now
         last_figures, last_chart = (now if figures_due else last_figures), (now if chart_due else last_chart)
-        yield outputs_of(panels, figures if figures_due else None, plots)
+        try:
+            # Gradio postprocesses the update (plotly's JSON, the diff to the last one) and queues it for the browser
+            # before it asks for the next one: only then may the next timed pass start
+            yield outputs_of(panels, figures if figures_due else None, plots)
+        finally:
+            comp.page_idle.set()
         if done:
             break
 
@@ -216,6 +230,9 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
         # One comparison at a time (the Run button allows several handlers so that a waiting one can say so): two
         # at once would share the CPU, and the timings of both would be wrong.
         if not host.lock.acquire(blocking=False):
+            if len(queued) >= MAX_QUEUED_RUNS and session not in queued:
+                yield outputs_of([panel_notice(panel_run, TOO_MANY_QUEUED)] * 2, "")
+                return
             stopped = queued[session] = threading.Event()
             note = PanelFeed(panel_run).message([], QUEUED)
             yield outputs_of([note] * (2 + len(extra)), f'<div class="status-line">{escape(QUEUED)}</div>',
@@ -246,7 +263,7 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
         finally:
             host.lock.release()
         if comp.save_error:
-            gr.Warning(comp.save_error)
+            gr.Warning(escape(comp.save_error))  # a toast shows HTML
 
     def reconfigure_vllm(method, k, draft):
         if not host.ready or not host.backend.capabilities.can_reconfigure:
@@ -256,8 +273,8 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
             with host.lock:
                 host.backend.reconfigure(config)
         except (RuntimeError, ValueError) as e:  # VLLMError, SettingsError: the old server runs again
-            return f"Could not apply: {escape(str(e))}"
-        return f"Speculative server running with `{escape(json.dumps(config))}`."
+            return f"Could not apply: {md(e)}"
+        return f"Speculative server running with {md(json.dumps(config))}."
 
     def stop(request: gr.Request):
         session = request.session_hash if request else "local"
@@ -268,7 +285,11 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
             queued[session].set()
 
     def pick_category(category):
-        prompts = load_suite(category)
+        try:
+            prompts = load_suite(category)
+        except ValueError as e:  # not one of the listed suites
+            gr.Warning(escape(str(e)))  # a toast shows HTML
+            return gr.skip(), gr.skip(), gr.skip()
         choices = [(f"{i + 1}. {p.prompt[:90]}", i) for i, p in enumerate(prompts)]
         first = prompts[0]
         return gr.update(choices=choices, value=0), first.prompt, first.temperature
@@ -276,7 +297,11 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
     def pick_example(category, index):
         if index is None:
             return gr.skip(), gr.skip()
-        item = load_suite(category)[int(index)]
+        try:
+            item = load_suite(category)[int(index)]
+        except (ValueError, IndexError) as e:
+            gr.Warning(escape(str(e)))
+            return gr.skip(), gr.skip()
         return item.prompt, item.temperature
 
     # --- layout ----------------------------------------------------------------------------------------------------
@@ -292,7 +317,7 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
                 stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
             gr.Markdown(ONE_AT_A_TIME, elem_id="one-at-a-time")
         with gr.Column(scale=2):
-            gr.Markdown(f"Backend: **{escape(host.label)}**")
+            gr.Markdown(f"Backend: **{md(host.label)}**")
             # shown once the backend says it can restart its speculative side (backend_view)
             with gr.Accordion("vLLM speculative server (managed vLLM backend)", open=False,
                               visible=False) as vllm_section:
@@ -368,8 +393,9 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
     outputs = [base_panel, spec_panel, *extra_panels, *extra_columns, *extra_headings, figures, chart_steps,
                chart_pos, chart_tokens]
     # no progress overlay: its animation would cost the browser CPU during the very run it shows
-    # up to 4 handlers: one runs, the others wait in run() for host.lock and say that they are queued
-    run_event = run_btn.click(run, inputs, outputs, concurrency_limit=4, concurrency_id="runs", show_progress="hidden")
+    # RUN_HANDLERS handlers: one runs, the others wait in run() for host.lock and say that they are queued
+    run_event = run_btn.click(run, inputs, outputs, concurrency_limit=RUN_HANDLERS, concurrency_id="runs",
+                              show_progress="hidden")
     stop_btn.click(stop, None, None, concurrency_limit=None)
     category.change(pick_category, category, [example, prompt, temperature])
     example.input(pick_example, [category, example], [prompt, temperature])

@@ -3,9 +3,7 @@ charts and advice, the suite's export, and the A/B of two suites."""
 
 from __future__ import annotations
 
-import tempfile
 from html import escape
-from pathlib import Path
 
 import gradio as gr
 import pandas as pd
@@ -14,17 +12,27 @@ from engine.request import SUITE_MAX_NEW_TOKENS, build_request
 from engine.sampling import SettingsError
 from specconsole.history import History
 from specconsole.host import ModelHost
+from specconsole.markup import md
 from specconsole.report import ab_chart, figures as suite_figures
-from specconsole.suite_job import SuiteJob, export_suite
+from specconsole.suite_job import SuiteJob, export_suite_files
 from specconsole.suites import load_file, suite_items, suite_names
 from specconsole.tab_run import RunSettings
-from specconsole.workbench import SWEEPS, ab_compare, advice_for, aggregate, runs_frame
+from specconsole.workbench import SWEEPS, ab_compare, advice_for, aggregate, check_plan, runs_frame
 
 PROGRESS_EVERY_S = 0.5
 
 
 def _error(message: str) -> str:
     return f'<div class="panel-error">{escape(message)}</div>'
+
+
+def ab_markdown(ab: pd.DataFrame) -> str:
+    """workbench.ab_compare's conclusions, one line per category (and sweep value)."""
+    lines = []
+    for _, r in ab.iterrows():
+        where = f"{r['category']} {r['sweep_value']}" if r["sweep_value"] else r["category"]
+        lines.append(f"**{md(where)}**: {md(r['conclusion'])}")
+    return "\n\n".join(lines)
 
 
 def build(host: ModelHost, history: History, tab: gr.Tab, settings: RunSettings) -> None:
@@ -54,10 +62,11 @@ def build(host: ModelHost, history: History, tab: gr.Tab, settings: RunSettings)
             yield _error(host.status()), *nothing
             return
         try:
+            vals = [v.strip() for v in (values or "").split(",") if v.strip()] or None
+            check_plan(variable, vals, int(repeats), int(n))  # engine.limits, before any file is read
             items = [item for c in (cats_chosen or []) for item in suite_items(c, int(n))]
             if upload:
                 items += load_file(upload)[: int(n)]
-            vals = [v.strip() for v in (values or "").split(",") if v.strip()] or None
             # the prompt and the temperature come from each suite entry
             base = build_request("", max_new_tokens=max_tokens, top_p=top_p, seed=seed, method=method, k=k,
                                  dynamic_k=dynamic_k, draft_confidence=confidence, fallback=fallback,
@@ -82,7 +91,7 @@ def build(host: ModelHost, history: History, tab: gr.Tab, settings: RunSettings)
         if job.error:
             yield _error(job.error), *nothing
             return
-        if job.concurrency is not None:
+        if job.concurrency is not None and not job.concurrency.empty:  # empty: stopped before its first level
             concurrency_results[job.suite_id] = job.concurrency
         note = " (stopped: the runs completed before Stop are kept)" if job.cancelled else ""
         status_html = f'<div class="status-line">Suite {escape(job.suite_id)} finished{note}.</div>'
@@ -94,15 +103,16 @@ def build(host: ModelHost, history: History, tab: gr.Tab, settings: RunSettings)
             job.cancel.set()
 
     def export(suite_id):
-        suite_id = (suite_id or "").strip()
-        if not suite_id:
+        if not (suite_id or "").strip():
             gr.Warning("Run or pick a suite first.")
             return None
-        out = Path(tempfile.mkdtemp(prefix="specconsole-suite-"))
-        conc = concurrency_results.get(suite_id)
-        runs_csv = out / (f"suite_{suite_id}_concurrency.csv" if conc is not None else f"suite_{suite_id}.csv")
-        exported = export_suite(history, host.backend, suite_id, runs_csv, out / f"suite_{suite_id}.html",
-                                host.label, conc)
+        try:
+            exported = export_suite_files(history, host.backend, suite_id, title_note=host.label,
+                                          concurrency=concurrency_results)
+        except ValueError as e:
+            gr.Warning(escape(str(e)))  # a toast shows HTML
+            return None
+        gr.Info(escape(f"Suite files in {exported.paths[0].parent} (replaced by the next suite export)"))
         return [str(p) for p in exported.paths]
 
     def suite_choices():
@@ -113,9 +123,7 @@ def build(host: ModelHost, history: History, tab: gr.Tab, settings: RunSettings)
         if not a or not b:
             return None, None, ""
         ab = ab_compare(runs_frame(history, a), runs_frame(history, b))
-        lines = [f"**{r['category']}{' ' + r['sweep_value'] if r['sweep_value'] else ''}**: {escape(r['conclusion'])}"
-                 for _, r in ab.iterrows()]
-        return ab.round(3), ab_chart(ab, f"A {a}", f"B {b}"), "\n\n".join(lines)
+        return ab.round(3), ab_chart(ab, f"A {a}", f"B {b}"), ab_markdown(ab)
 
     # --- layout ----------------------------------------------------------------------------------------------------
 
@@ -168,6 +176,6 @@ def build(host: ModelHost, history: History, tab: gr.Tab, settings: RunSettings)
                                   concurrency_id="engines")
     suite_event.then(suite_choices, None, [ab_a, ab_b])
     suite_stop.click(stop_suite, None, None, concurrency_limit=None)
-    export_btn.click(export, suite_id_box, suite_files)
+    export_btn.click(export, suite_id_box, suite_files, concurrency_limit=1)  # see ExportFolder
     tab.select(suite_choices, None, [ab_a, ab_b])
     ab_btn.click(compare_suites, [ab_a, ab_b], [ab_table, ab_plot, ab_text])

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from engine.backend import MAX_EXTRA
 from engine.request import METHODS, MODEL_METHODS, Request
 from engine.sampling import SettingsError
 
-MAX_EXTRA = 3  # extra speculative engines next to the main one (the page has panels for four in all)
 METHOD_LABELS = {"draft": "draft", "ngram": "n-gram", "hybrid": "hybrid"}
 
 

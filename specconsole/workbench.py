@@ -15,7 +15,6 @@ import hashlib
 import json
 import logging
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,12 +24,16 @@ from typing import Callable
 import pandas as pd
 from tqdm import tqdm
 
+from engine.limits import (MAX_CONCURRENCY, MAX_K, MAX_PROMPTS_PER_SUITE, MAX_REPEATS, MAX_SWEEP_VALUES,
+                           MAX_TEMPERATURE, SettingsError, check_range, number)
+from engine.llamacpp_server import DRAFT_MODEL_METHODS, METHODS as LLAMACPP_METHODS
 from engine.request import METHODS, Request
 from engine.stats import bootstrap_ci, ratio_ci
-from engine.vllm_config import speculative_config
+from engine.vllm_config import METHODS as VLLM_METHODS, speculative_config
 from specconsole.advisor import Advice, ab_conclusion, advise
 from specconsole.history import History
-from specconsole.runner import ENGINES, Comparison, run_meta as runner_meta
+from engine.backend import ENGINES
+from specconsole.runner import Comparison, run_meta as runner_meta
 from specconsole.suites import SuitePrompt
 
 log = logging.getLogger(__name__)
@@ -44,6 +47,75 @@ SWEEPS = {
     "concurrency": ["1", "2", "4", "8", "16"],
 }
 LONG_DOCUMENT = (Path(__file__).resolve().parent.parent / "assets" / "long_document.txt")
+
+
+def check_plan(variable: str, values: list[str] | None, repeats: int = 1, prompts_per_suite: int | None = None,
+               methods: tuple[str, ...] = METHODS + VLLM_METHODS + tuple(LLAMACPP_METHODS)) -> list[str]:
+    """A suite's shape against engine.limits, before anything is loaded or run: the repeats, the prompts per suite,
+    the number of sweep values and each value (`methods`: those the backend can sweep). Returns the values (the
+    sweep's usual ones when none are given); SettingsError names the first value out of range."""
+    if variable not in SWEEPS:
+        raise SettingsError(f"unknown sweep {str(variable)[:40]!r}; sweeps: {', '.join(SWEEPS)}")
+    check_range("repeats", repeats, 1, MAX_REPEATS, "more repeats add little to the noise estimate; run a second "
+                "suite instead")
+    if prompts_per_suite is not None:
+        check_range("prompts per suite", prompts_per_suite, 1, MAX_PROMPTS_PER_SUITE, "run a sample of the suite")
+    values = values or SWEEPS[variable]
+    check_range("the number of sweep values", len(values), 1, MAX_SWEEP_VALUES, "sweep fewer values at a time")
+    for value in values:
+        what = f"a sweep value of {'K' if variable == 'k' else variable}"
+        if variable == "k" and value != "dynamic":
+            check_range(what, number(f"{what} (or dynamic)", value), 1, MAX_K)
+        elif variable == "temperature":
+            check_range(what, number(what, value, float), 0.0, MAX_TEMPERATURE)
+        elif variable == "concurrency":
+            check_range(f"{what} (parallel requests)", number(what, value), 1, MAX_CONCURRENCY,
+                        "beyond it the servers only queue the requests")
+        elif variable in ("method", "context"):
+            choices = methods if variable == "method" else SWEEPS[variable]
+            if value not in choices:
+                raise SettingsError(f"{what} must be one of {', '.join(choices)}, got {value[:40]!r}")
+    return values
+
+
+# the llama.cpp methods a method sweep runs unless told otherwise (EAGLE-3 and MTP need models made for them)
+LLAMACPP_SWEEP = ("draft", "ngram-simple", "ngram-map-k", "ngram-mod")
+
+
+def server_drafting(backend) -> bool:
+    """Whether drafting is the speculative engine's own (vLLM, llama.cpp): a method or K sweep restarts it."""
+    return not backend.capabilities.per_request_drafting
+
+
+def sweep_methods(backend) -> tuple[str, ...]:
+    """The values a method sweep can take on this backend."""
+    if not server_drafting(backend):
+        return METHODS
+    if backend.name == "llamacpp":
+        from engine.llamacpp_backend import VLLM_METHODS as ALIASES
+
+        return tuple(LLAMACPP_METHODS) + tuple(ALIASES)  # llama.cpp's names, and vLLM's for the same methods
+    return VLLM_METHODS
+
+
+def default_values(backend, variable: str) -> list[str]:
+    """A sweep's values when none are given: SWEEPS', less what the backend cannot run (dynamic K where the
+    engine drafts a fixed K; a draft model where it has none)."""
+    if variable == "k" and server_drafting(backend):
+        return [v for v in SWEEPS["k"] if v != "dynamic"]
+    if variable == "method" and backend.name == "llamacpp":
+        return [m for m in LLAMACPP_SWEEP if m not in DRAFT_MODEL_METHODS or backend.draft_path]
+    return list(SWEEPS.get(variable, [""]))
+
+
+def served_drafting(backend, variable: str, value: str, k: int) -> dict:
+    """What backend.reconfigure() takes to serve one value of a method or K sweep."""
+    if backend.name == "llamacpp":
+        return {"method": value} if variable == "method" else {"k": int(value)}
+    served = backend.describe()
+    if variable == "method":
+        return speculative_config(value, k, served.get("draft_model"))
+    return speculative_config(served["method"], int(value), served.get("draft_model"))
 
 
 def request_for(base: Request, item: SuitePrompt, variable: str = "none", value: str = "",
@@ -78,41 +150,52 @@ def run_suite(backend, items: list[SuitePrompt], base: Request, history: History
 
     Repeats are interleaved (repeat 1 of every prompt, then repeat 2, ...) and the engine that goes first alternates
     from one repeat to the next and from one prompt to the next, so that drift in the machine's speed (heat, other
-    work) falls on both engines alike instead of on whichever always ran first."""
+    work) falls on both engines alike instead of on whichever always ran first.
+
+    Where drafting is the speculative engine's own (vLLM, llama.cpp), a method or K sweep restarts it with each
+    value, and afterwards with the settings it had before."""
     if variable == "concurrency":
         raise ValueError("the concurrency sweep runs through concurrency_sweep (vLLM backend)")
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
-    values = values or SWEEPS[variable]
-    suite = SuiteRun(suite_id or uuid.uuid4().hex[:10])
+    restart = variable in ("method", "k") and server_drafting(backend)
+    if restart and not backend.capabilities.can_reconfigure:
+        raise ValueError(f"a {variable} sweep restarts the speculative engine with each value: only engines the "
+                         "console started can be restarted (these were attached)")
+    values = values or default_values(backend, variable)
+    suite = SuiteRun(suite_id or "s" + uuid.uuid4().hex[:9])  # never read back as a number (history.start_run)
     plan = [(item_index, item, value, repeat) for value in values for repeat in range(repeats)
             for item_index, item in enumerate(items)]
     bar = tqdm(total=len(plan), desc=f"suite {suite.suite_id}", unit="run")
+    before = dict(backend.speculative_config) if restart else None
     served = None
-    for i, (item_index, item, value, repeat) in enumerate(plan):
-        if cancel is not None and cancel.is_set():
-            suite.cancelled = True
-            break
-        if variable == "method" and not backend.capabilities.per_request_drafting and value != served:
-            # vLLM's method is the speculative server's: restart it with this value's --speculative-config
-            backend.reconfigure(speculative_config(value, base.k, backend.describe().get("draft_model")))
-            served = value
-        req = request_for(base, item, variable, value, suite_temperature and variable != "temperature")
-        # what actually ran (runner.run_meta): after a reconfigure, the server's new method
-        run_meta = meta | runner_meta(backend, req) | {
-            "category": item.category, "suite_id": suite.suite_id, "repeat": repeat,
-            "sweep_variable": None if variable == "none" else variable, "sweep_value": value or None}
-        comp = Comparison(backend, req, mode, history, run_meta, first=ENGINES[(item_index + repeat) % 2])
-        comp.start()
-        while not comp.poll(0.1):
+    try:
+        for i, (item_index, item, value, repeat) in enumerate(plan):
             if cancel is not None and cancel.is_set():
-                comp.cancel.set()  # this run is saved as cancelled; the ones before it stay complete
-        suite.run_ids.append(comp.run_id)
-        bar.update(1)
-        if on_progress:
-            note = f" (repeat {repeat + 1} of {repeats})" if repeats > 1 else ""
-            on_progress(i + 1, len(plan), f"{item.category}{note}: {item.prompt[:60]}")
-    bar.close()
+                suite.cancelled = True
+                break
+            if restart and value != served:
+                backend.reconfigure(served_drafting(backend, variable, value, base.k))
+                served = value
+            req = request_for(base, item, variable, value, suite_temperature and variable != "temperature")
+            # what actually ran (runner.run_meta): after a reconfigure, the server's new method
+            run_meta = meta | runner_meta(backend, req) | {
+                "category": item.category, "suite_id": suite.suite_id, "repeat": repeat,
+                "sweep_variable": None if variable == "none" else variable, "sweep_value": value or None}
+            comp = Comparison(backend, req, mode, history, run_meta, first=ENGINES[(item_index + repeat) % 2])
+            comp.start()
+            while not comp.poll(0.1):
+                if cancel is not None and cancel.is_set():
+                    comp.cancel.set()  # this run is saved as cancelled; the ones before it stay complete
+            suite.run_ids.append(comp.run_id)
+            bar.update(1)
+            if on_progress:
+                note = f" (repeat {repeat + 1} of {repeats})" if repeats > 1 else ""
+                on_progress(i + 1, len(plan), f"{item.category}{note}: {item.prompt[:60]}")
+    finally:
+        bar.close()
+        if served is not None and dict(backend.speculative_config) != before:
+            backend.reconfigure(before)  # the console serves the settings it had before the sweep
     suite.cancelled = suite.cancelled or (cancel is not None and cancel.is_set())
     return suite
 
@@ -150,6 +233,9 @@ def runs_frame(history: History, suite_id: str) -> pd.DataFrame:
             "prefill_share": (s.get("prefill_ms") or 0) / total_ms if total_ms else None,
             "machine_bound": c.get("machine_bound"), "efficiency": c.get("efficiency"),
             "identical": c.get("identical"), "sampling_check": c.get("sampling_check"),
+            "first_divergence": c.get("first_divergence"),
+            # why this backend's greedy output can part from the baseline's (llama.cpp), where it did
+            "divergence_note": s.get("divergence_note") if c.get("identical") is False else None,
         })
     return pd.DataFrame(rows)
 
@@ -212,6 +298,7 @@ def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
             "prefill_share": med("prefill_share"), "machine_bound": med("machine_bound"),
             "efficiency": med("efficiency"),
             "identical": f"{sum(v is True for v in g['identical'])}/{sum(v is not None for v in g['identical'])}",
+            "divergence_note": next(iter(_present(g.get("divergence_note", []))), None),
             # sampled runs: how many the sampling check (engine.check) found suspect, of those it checked
             "sampling_check": _suspects(g.get("sampling_check", [])),
         })
@@ -259,19 +346,28 @@ def advice_for(backend, agg: pd.DataFrame, variable: str | None, concurrency: pd
 
 
 def concurrency_sweep(backend, items: list[SuitePrompt], levels: list[int], max_new_tokens: int,
-                      on_progress: Callable | None = None) -> pd.DataFrame:
-    """Aggregate tokens/s of both vLLM servers at each number of parallel requests: where speculation stops paying."""
+                      on_progress: Callable | None = None, cancel: threading.Event | None = None) -> pd.DataFrame:
+    """Aggregate tokens/s of both vLLM servers at each number of parallel requests: where speculation stops paying.
+    `cancel` stops it within the burst in flight; the levels measured before it are kept, that one is dropped."""
     if not backend.capabilities.concurrent_requests:
         raise ValueError("the concurrency sweep needs the vLLM backend (in-process engines serve one request)")
+    for level in levels:  # a caller that skipped check_plan still never builds a burst over the limit
+        check_range("concurrency", level, 1, MAX_CONCURRENCY)
+    columns = ["concurrency", "baseline_tps", "speculative_tps", "speedup"]
+    stopped = lambda: cancel is not None and cancel.is_set()  # noqa: E731
     rows = []
     for i, level in enumerate(levels):
         prompts = [items[j % len(items)].prompt for j in range(level)]
         row = {"concurrency": level}
         for engine in ("baseline", "speculative"):
-            tokens, seconds = backend.throughput(engine, prompts, max_new_tokens)
+            if stopped():
+                break
+            tokens, seconds = backend.throughput(engine, prompts, max_new_tokens, cancel)
             row[f"{engine}_tps"] = tokens / seconds
+        if stopped():
+            break
         row["speedup"] = row["speculative_tps"] / row["baseline_tps"]
         rows.append(row)
         if on_progress:
             on_progress(i + 1, len(levels), f"concurrency {level}")
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=columns)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import socket
 import os
+from typing import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -13,10 +15,24 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from engine.events import StepRecord
 from engine.optimize import prepare_draft, prepare_target
 from engine.weights import dequantized_dir
 
 CPU = torch.device("cpu")
+
+
+def in_ci() -> bool:
+    """Whether this is a CI run (.ci/run exports CI=true; CI services set CI too)."""
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def skip_or_fail(reason: str, module: bool = False) -> None:
+    """Skip where a part of the machine is missing; under CI fail instead, so that a test cannot pass by not running.
+    `module`: called at a test module's top level."""
+    if in_ci():
+        pytest.fail(f"{reason}: CI must run this test (bash .ci/setup test installs what it needs)", pytrace=False)
+    pytest.skip(reason, allow_module_level=module)
 
 
 def tiny_llama(vocab: int, seed: int, layers: int = 2, init: float = 0.3, kv_heads: int = 2) -> LlamaForCausalLM:
@@ -79,6 +95,49 @@ def backend(tiny_chat_pair, smol_tokenizer):
     return LocalBackend(LoadedModel("tiny", target, smol_tokenizer, CPU), LoadedModel("tiny-draft", draft, smol_tokenizer, CPU))
 
 
+class PassLog:
+    """The real backend, watched: which engine ended each target pass, in order (fair mode's turns), and whether the
+    other engines' clocks (the ones the Comparison hands each stream) moved while one engine computed an event.
+    `names`: id(request) -> engine, for the speculative engines."""
+
+    def __init__(self, backend, names: dict[int, str]):
+        self.inner, self.names, self.passes = backend, names, []
+        self.capabilities, self.name = backend.capabilities, backend.name
+        self.clocks: dict[str, Callable[[], float]] = {}
+        self.watched: collections.Counter = collections.Counter()  # engine -> its events, other clocks read around
+        self.moved: list[tuple[str, str, float]] = []  # (engine computing, another engine, how far that one's moved)
+
+    def _note(self, engine, clock, stream):
+        self.clocks[engine] = clock  # at once: fair mode opens every stream before the first pass
+        return self._watch(engine, stream)
+
+    def _watch(self, engine, stream):
+        events = iter(stream)
+        while True:
+            others = {e: c for e, c in self.clocks.items() if e != engine}
+            before = {e: c() for e, c in others.items()}
+            try:
+                event = next(events)  # the engine computes here
+            except StopIteration:
+                return
+            after = {e: c() for e, c in others.items()}
+            self.moved += [(engine, e, after[e] - before[e]) for e in others if after[e] != before[e]]
+            self.watched[engine] += bool(others)
+            if isinstance(event, StepRecord):
+                self.passes.append(engine)
+            yield event
+
+    def baseline(self, req, cancel=None, clock=None):
+        return self._note("baseline", clock, self.inner.baseline(req, cancel, clock))
+
+    def speculative(self, req, cancel=None, clock=None):
+        engine = self.names[id(req)]
+        return self._note(engine, clock, self.inner.speculative(req, cancel, clock))
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 def free_ports(n: int) -> list[int]:
     """n distinct ports on 127.0.0.1 that were free a moment ago (all held open together, so none repeats)."""
     socks = [socket.socket() for _ in range(n)]
@@ -118,3 +177,30 @@ def set_run(page, prompt: str, max_new: int) -> None:
         box = page.locator(f"{selector} input[type=number]")
         box.fill(value)
         box.press("Enter")
+
+
+# --- tiers -----------------------------------------------------------------------------------------------------------
+# Each test that needs a heavy real part is marked with it; all of those are also `slow`. The fast tier,
+# `pytest -m "not slow"`, is the inner loop (tiny models built from a config, a real SQLite file, local HTTP servers).
+TIER_FILES = {
+    "browser": ("test_browser.py", "test_browser_faults.py"),
+    "vllm": ("test_vllm_real.py", "test_vllm_lifecycle.py"),
+    "llamacpp": ("test_llamacpp.py",),
+    "real_weights": ("test_real_weights.py", "test_stop_replay.py"),
+}
+TIER_FIXTURES = {"browser": ("browser", "page")}
+TIERS = (*TIER_FILES, "slow")
+
+
+def pytest_configure(config):
+    for tier in TIERS:
+        config.addinivalue_line("markers", f"{tier}: see tests/conftest.py (tiers)")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        for tier, files in TIER_FILES.items():
+            if item.path.name in files or any(f in item.fixturenames for f in TIER_FIXTURES.get(tier, ())):
+                item.add_marker(tier)
+        if any(item.get_closest_marker(t) for t in TIER_FILES):
+            item.add_marker("slow")

@@ -1,10 +1,11 @@
-"""Both backends implement engine.backend.Backend with the protocol's own signatures, and say what they can do."""
+"""The backends implement engine.backend.Backend with the protocol's own signatures, and say what they can do."""
 
 import inspect
 
 import pytest
 
 from engine.backend import Backend, Capabilities
+from engine.llamacpp_backend import LlamaCppBackend
 from engine.local_backend import LocalBackend
 from engine.request import Request
 from engine.sampling import SettingsError
@@ -18,7 +19,7 @@ def test_the_protocol_names_what_callers_use():
             "reconfigure", "throughput", "close"} <= set(MEMBERS)
 
 
-@pytest.mark.parametrize("cls", [LocalBackend, VLLMBackend])
+@pytest.mark.parametrize("cls", [LocalBackend, VLLMBackend, LlamaCppBackend])
 @pytest.mark.parametrize("member", MEMBERS)
 def test_each_backend_implements_each_member_with_the_protocol_signature(cls, member):
     want = list(inspect.signature(getattr(Backend, member)).parameters)

@@ -1,15 +1,15 @@
 """Faults with the real parts: Debian's Chromium (playwright) drives the real console, a process of its own with the
 SmolLM2 n-gram preset, on a real SQLite file that starts with a long history (10,000 runs, tests/big_history.py).
 One console serves the module; the kill test kills it and starts it again on the same file; the full-disk test runs
-a second console on a small tmpfs of its own (skipped where mounting one is not allowed)."""
+a second console, in the test's process, whose database file it stops from growing."""
 
-import contextlib
-import errno
+import argparse
 import logging
 import os
 import signal
 import socket
 import sqlite3
+import statistics
 import subprocess
 import sys
 import time
@@ -22,13 +22,14 @@ from engine.local import _Recorder
 from engine.stops import StopConditions
 from specconsole.history import History
 from tests.big_history import big_history_copy
-from tests.conftest import CHROMIUM, free_ports, launch_chromium, set_run
+from tests.conftest import CHROMIUM, free_ports, launch_chromium, set_run, skip_or_fail
 from tests.test_history_faults import PARROT, UNICODE_TEXT
 
 ROOT = Path(__file__).resolve().parent.parent
 log = logging.getLogger(__name__)
 
-pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed")
+if not os.path.exists(CHROMIUM):
+    skip_or_fail("Debian's chromium is not installed", module=True)
 
 
 class Console:
@@ -148,50 +149,66 @@ def db_rows(db: Path, sql: str, args=()) -> list[tuple]:
         conn.close()
 
 
-def seconds_until(page, action, selector: str, timeout_s: float = 30) -> float:
-    start = time.perf_counter()
+def seconds_until(page, action, shows: str) -> float:
+    """Seconds from the press that `action` makes to the moment the page's `shows` (a JS expression) is true, on the
+    page's own clock: playwright's round trips to the browser are not in it."""
+    page.evaluate("""() => { window.pressed = window.shown = null;
+        addEventListener('pointerdown', () => { window.pressed = performance.now(); }, {capture: true, once: true});
+    }""")
     action()
-    page.wait_for_selector(selector, timeout=timeout_s * 1000)
-    return time.perf_counter() - start
+    page.wait_for_function(f"() => ({shows}) && (window.shown = window.shown || performance.now())", timeout=30_000)
+    return page.evaluate("(window.shown - window.pressed) / 1000")
 
 
-# --- a long history ----------------------------------------------------------------------------------------------
+def page_info(text: str) -> str:
+    return f"document.querySelector('#history-page-info').textContent.includes({text!r})"
+
+
+def first_cell(col: int, text: str) -> str:
+    return f"document.querySelector(\"#history-table [data-testid='cell-0-{col}']\")?.textContent.trim() === {text!r}"
+
+
+TRIES = 5  # of each History tab action: their median is held to the 1 s, so that one slow try is not a failure
 
 
 def test_history_tab_with_10000_runs_opens_and_filters_fast(console, new_page):
-    """The issue asks for under a second; the times are measured in the browser and logged, and the assertion is a
-    generous 5 s so that a slow or busy CI machine cannot fail it falsely (our rules allow no tighter timing)."""
+    """The issue asks for under a second to open the tab, filter by category and turn a page, with a long history.
+    Each is done 5 times, timed in Chromium from the click to the new page on screen, and the median of each must be
+    under 1 s: a busy machine slows a try or two, not the median. (The queries behind it are checked for their work,
+    whatever the machine, in tests/test_history_faults.py.)"""
     c = console.ensure()
     page = new_page(c.url)
-    extra = History(c.db).start_run(prompt="one more", category="chat")  # the tab must read the file anew
+    history = History(c.db)  # the tab must read the file anew: a run more before each opening
+    added = []
     runs = db_rows(c.db, "SELECT count(*) FROM runs")[0][0]
-    code = db_rows(c.db, "SELECT count(*) FROM runs WHERE category = 'code'")[0][0]
-    timings = {
-        "open the tab": seconds_until(page, lambda: page.get_by_role("tab", name="History").click(),
-                                      f"#history-page-info:has-text('{runs:,} runs')"),
-    }
+    timings = {"open the tab": [], "filter by category": [], "next page": []}
+    for i in range(TRIES):
+        page.get_by_role("tab", name="Run").click()
+        added.append(history.start_run(prompt=f"one more ({i})", category="chat"))
+        timings["open the tab"].append(seconds_until(page, lambda: page.get_by_role("tab", name="History").click(),
+                                                     page_info(f"· {runs + i + 1:,} runs")))
     assert page.get_attribute("#history-table [role=grid]", "aria-rowcount") == "101"  # a page: 100 rows + header
-    assert page.inner_text("#history-table [data-testid='cell-0-0']") == extra  # the newest run first
+    assert page.inner_text("#history-table [data-testid='cell-0-0']") == added[-1]  # the newest run first
 
-    def pick_code():
-        page.locator("#history-category input").click()
-        page.get_by_role("option", name="code", exact=True).click()
-
-    timings["filter by category"] = seconds_until(page, pick_code, f"#history-page-info:has-text('· {code:,} runs')")
-    pages = -(-code // 100)
+    categories = ["code", "creative", "json_sql", "summarization", "chat"]  # each differs from the one before
+    for category in categories:
+        count = db_rows(c.db, "SELECT count(*) FROM runs WHERE category = ?", [category])[0][0]
+        page.locator("#history-category input").click()  # the list opens; the choice is timed
+        timings["filter by category"].append(seconds_until(
+            page, lambda: page.get_by_role("option", name=category, exact=True).click(),
+            f"{page_info(f'· {count:,} runs')} && {first_cell(3, category)}"))
+    pages = -(-count // 100)
     assert f"page 1 of {pages}" in page.inner_text("#history-page-info")
-    timings["next page"] = seconds_until(page, lambda: page.click("#history-older"),
-                                         f"#history-page-info:has-text('page 2 of {pages}')")
+    for n in range(2, 2 + TRIES):
+        timings["next page"].append(seconds_until(page, lambda: page.click("#history-older"),
+                                                  page_info(f"page {n} of {pages}")))
     cells = page.locator("#history-table [role=gridcell][data-col='3']").all_inner_texts()  # (the rows in view)
-    assert cells and set(c.strip() for c in cells) == {"code"}
-    page.get_by_role("tab", name="Run").click()
-    another = History(c.db).start_run(prompt="and one more", category="code")
-    timings["open the tab again"] = seconds_until(page, lambda: page.get_by_role("tab", name="History").click(),
-                                                  f"#history-page-info:has-text('· {code + 1:,} runs')")
-    log.info("History tab over %d runs, in Chromium: %s", runs,
-             ", ".join(f"{k} {1000 * v:.0f} ms" for k, v in timings.items()))
-    assert max(timings.values()) < 5.0, timings
-    History(c.db).delete([extra, another])
+    assert cells and set(c.strip() for c in cells) == {categories[-1]}
+    medians = {action: statistics.median(seconds) for action, seconds in timings.items()}
+    log.info("History tab over %d runs, in Chromium: %s", runs, "; ".join(
+        f"{action} {', '.join(f'{1000 * t:.0f}' for t in seconds)} ms" for action, seconds in timings.items()))
+    assert max(medians.values()) < 1.0, medians
+    history.delete(added)
 
 
 # --- text that is not ASCII --------------------------------------------------------------------------------------
@@ -341,36 +358,43 @@ def test_kill_9_mid_run_keeps_what_it_had_streamed(console, new_page):
 # --- a full disk -------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A real 8 MiB filesystem (tmpfs), for a disk that fills up. Mounting needs root (CAP_SYS_ADMIN)."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], capture_output=True,
-                          text=True, timeout=20)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.strip()}); "
-                    "test_history_faults.py fills the database with PRAGMA max_page_count instead")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False, timeout=20)
+class FullDisk:
+    """The console in this process, so that the test holds its History: PRAGMA max_page_count on the console's own
+    connection stops the file from growing (SQLITE_FULL, "database or disk is full", as on a full disk) and lets it
+    grow again. Needs no privilege, so it runs everywhere."""
+
+    def __init__(self, db: Path):
+        import launch
+        from specconsole.app import launch as serve
+
+        parser = argparse.ArgumentParser()
+        launch.add_engine_args(parser)
+        self.db, self.port = db, free_ports(1)[0]
+        self.history = History(db)
+        self.host = launch.local_host(parser.parse_args(["--preset", "smollm2-ngram"])).start()
+        self.app = serve(self.host, self.history, "127.0.0.1", self.port, prevent_thread_lock=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/"
+
+    def fill(self) -> None:
+        """No page more than the file has now."""
+        with self.history.lock:  # between two of the console's writes
+            pages = self.history.db.execute("PRAGMA page_count").fetchone()[0]
+            self.history.db.execute(f"PRAGMA max_page_count = {pages}")
+
+    def free(self) -> None:
+        with self.history.lock:
+            self.history.db.execute("PRAGMA max_page_count = 1073741823")
+
+    def stop(self) -> None:
+        self.app.close()
+        self.host.close()
 
 
-def fill(disk: Path) -> Path:
-    """Write zeros until the filesystem says it is full (ENOSPC)."""
-    filler = disk / "filler"
-    with contextlib.suppress(OSError), open(filler, "wb", buffering=0) as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-        except OSError as e:
-            assert e.errno == errno.ENOSPC, e
-            while True:  # the last, partial block
-                f.write(b"\0" * 512)
-    return filler
-
-
-def test_disk_full_mid_run_keeps_serving(small_disk, new_page, tmp_path):
-    c = Console(small_disk / "history.db", tmp_path / "console.log").start()
+def test_disk_full_mid_run_keeps_serving(new_page, tmp_path):
+    c = FullDisk(tmp_path / "history.db")
     try:
         page = new_page(c.url)
         set_run(page, "Name three rivers.", 16)
@@ -383,7 +407,7 @@ def test_disk_full_mid_run_keeps_serving(small_disk, new_page, tmp_path):
         click_run(page)
         page.wait_for_function("() => document.querySelectorAll('#baseline-panel .tok').length >= 10",
                                timeout=120_000)
-        filler = fill(small_disk)
+        c.fill()
         wait_for_run(page)
         figures = page.inner_text("#figures")
         assert "Not saved in the history" in figures and "database or disk is full" in figures, figures
@@ -393,7 +417,7 @@ def test_disk_full_mid_run_keeps_serving(small_disk, new_page, tmp_path):
         shown, _ = panel_text(page, "#baseline-panel")
         assert shown >= 10
 
-        filler.unlink()  # room again: the console goes on saving
+        c.free()  # room again: the console goes on saving
         set_run(page, "Name three lakes.", 16)
         click_run(page)
         wait_for_run(page)

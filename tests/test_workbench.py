@@ -173,7 +173,7 @@ def one(agg, **kw):
 def test_advisor_two_prompts_are_undecided_with_a_prompt_count():
     # the issue's case: 0.96x and 1.42x with n-gram drafting and low acceptance used to say "don't"
     a = one(agg_of(runs_of("code", [0.96, 1.42], method="ngram", acceptance=0.3)))
-    text = a.markdown()
+    text = a.text()
     assert a.verdict == "undecided" and a.expected_speedup is None
     assert "95 % CI 0.96x to 1.42x" in text and "2 prompts cannot decide" in text
     assert "about 19 prompts would decide it (17 more)" in text  # tests/test_stats.py works the 19 out by hand
@@ -187,22 +187,22 @@ def test_advisor_two_prompts_are_undecided_with_a_prompt_count():
 def test_advisor_enables_a_clear_gain():
     a = one(agg_of(runs_of("code", [1.8, 1.9, 2.0, 2.0, 2.1, 2.1, 2.2, 2.3])))
     assert a.verdict == "enable" and a.expected_speedup == pytest.approx(2.05)
-    assert a.interval[1] >= 1.05 and f"lower bound {a.interval[1]:.2f}x clears 1.05x" in a.markdown()
+    assert a.interval[1] >= 1.05 and f"lower bound {a.interval[1]:.2f}x clears 1.05x" in a.text()
     assert "median speedup 2.05x over 8 prompts (8 runs)" in a.reasons[0]
 
 
 def test_advisor_says_dont_when_measurably_slower():
     a = one(agg_of(runs_of("creative", [0.75, 0.78, 0.8, 0.8, 0.82, 0.83, 0.85, 0.86])))
     assert a.verdict == "don't" and a.expected_speedup is None
-    assert f"upper bound {a.interval[2]:.2f}x is below 1.00x" in a.markdown()
+    assert f"upper bound {a.interval[2]:.2f}x is below 1.00x" in a.text()
 
 
 def test_advisor_undecided_says_how_many_prompts_or_that_none_will_do():
     a = one(agg_of(runs_of("chat", [0.85, 0.95, 1.05, 1.15, 1.25, 1.35, 1.45, 1.6])))
-    assert a.verdict == "undecided" and "neither clears 1.05x nor lies below 1.00x" in a.markdown()
-    assert "prompts would decide it" in a.markdown()
+    assert a.verdict == "undecided" and "neither clears 1.05x nor lies below 1.00x" in a.text()
+    assert "prompts would decide it" in a.text()
     b = one(agg_of(runs_of("chat", [0.9, 0.95, 1.0, 1.02, 1.03, 1.08, 1.1, 1.15])))
-    assert b.verdict == "undecided" and "band, where more prompts will not decide it" in b.markdown()
+    assert b.verdict == "undecided" and "band, where more prompts will not decide it" in b.text()
 
 
 def test_explanations_never_override_the_interval():
@@ -210,32 +210,32 @@ def test_explanations_never_override_the_interval():
     a = one(agg_of(runs_of("rag", clear, acceptance=0.3, prefill_share=0.7)),
             memory={"needed_gb": 30.0, "available_gb": 24.0, "draft_gb": 2.0})
     assert a.verdict == "enable"
-    text = a.markdown()
+    text = a.text()
     assert "acceptance 0.30 is low, but" in text and "exceed the 24.0 GB available" in text
     assert "prefill takes 70%" in text
     conc = pd.DataFrame({"concurrency": [1, 4, 16], "speedup": [1.8, 1.2, 0.8]})
     b = one(agg_of(runs_of("rag", clear)), concurrency=conc)
     assert b.verdict == "enable"
-    assert "pays up to 4 concurrent requests (1.20x)" in b.markdown()
-    assert "at 16 concurrent requests it gives 0.80x" in b.markdown()
+    assert "pays up to 4 concurrent requests (1.20x)" in b.text()
+    assert "at 16 concurrent requests it gives 0.80x" in b.text()
 
 
 def test_ngram_never_cites_a_second_model():
     memory = {"needed_gb": 8.0, "available_gb": 24.0, "draft_gb": 2.0}  # a draft is loaded, but n-gram does not use it
     for speedups in ([0.96, 1.42], [2.0, 2.1, 2.2, 2.3], [0.7, 0.75, 0.8], [1.0, 1.02, 1.04]):
-        text = one(agg_of(runs_of("code", speedups, method="ngram", acceptance=0.2)), memory=memory).markdown()
+        text = one(agg_of(runs_of("code", speedups, method="ngram", acceptance=0.2)), memory=memory).text()
         assert "second model" not in text and "draft 2.0 GB" not in text
         assert "ngram drafting looks its drafts up" in text and "6.0 GB alone" in text
-    drafted = one(agg_of(runs_of("code", [2.0, 2.1, 2.2], method="draft")), memory=memory).markdown()
+    drafted = one(agg_of(runs_of("code", [2.0, 2.1, 2.2], method="draft")), memory=memory).text()
     assert "target 6.0 GB + draft 2.0 GB fit in 24.0 GB" in drafted
 
 
 def test_noise_warning_above_ten_percent():
-    quiet = one(agg_of(runs_of("code", [1.5, 1.6, 1.7], repeats=2, baseline_tps=(10.0, 10.2)))).markdown()
+    quiet = one(agg_of(runs_of("code", [1.5, 1.6, 1.7], repeats=2, baseline_tps=(10.0, 10.2)))).text()
     assert "varied by 1.4% between repeats" in quiet and "warning" not in quiet
-    noisy = one(agg_of(runs_of("code", [1.5, 1.6, 1.7], repeats=2, baseline_tps=(10.0, 13.0)))).markdown()
+    noisy = one(agg_of(runs_of("code", [1.5, 1.6, 1.7], repeats=2, baseline_tps=(10.0, 13.0)))).text()
     assert "warning: the machine is noisy" in noisy and "varied by 18%" in noisy
-    assert "noise is unmeasured" in one(agg_of(runs_of("code", [1.5, 1.6, 1.7]))).markdown()
+    assert "noise is unmeasured" in one(agg_of(runs_of("code", [1.5, 1.6, 1.7]))).text()
 
 
 def test_enable_with_settings_needs_a_separated_interval():
@@ -366,3 +366,110 @@ def test_suite_job_stops_after_the_current_run(backend, tmp_path):
     job = SuiteJob(backend, history, ITEMS * 3, build_request("", max_new_tokens=8, k=2, method="draft"))
     job.cancel.set()
     assert job.start().wait(60) and job.cancelled and not history.runs(suite_id=job.suite_id)
+
+
+def store_runs(history: History, suite_id: str, category: str, sweep_value: str, speedups, diverge=()) -> None:
+    """Completed runs in a real history file as a llama.cpp K sweep saves them (the llamacpp backend's metrics and
+    comparison): prompt i at speedups[i]; the prompts in `diverge` part from the baseline's greedy output at token
+    7, the others are identical."""
+    from engine.events import RunResult
+    from engine.llamacpp_backend import DIVERGENCE_NOTE
+
+    for i, speedup in enumerate(speedups):
+        run_id = history.start_run(category=category, prompt=f"{category} prompt {i}", suite_id=suite_id,
+                                   sweep_variable="k", sweep_value=sweep_value, backend="llamacpp",
+                                   method="llamacpp-draft", status="running", repeat=0)
+        base = RunResult("baseline", "none", 20, metrics={"tokens_per_s": 9.1, "output_tokens": 64})
+        spec = RunResult("speculative", "llamacpp-draft", 20,
+                         metrics={"tokens_per_s": 9.1 * speedup, "output_tokens": 64, "acceptance_rate": 0.5,
+                                  "mean_accepted_length": 2.0, "divergence_note": DIVERGENCE_NOTE})
+        history.finish_run(run_id, "completed", {"baseline": base, "speculative": spec},
+                           {"speedup": speedup, "identical": i not in diverge,
+                            "first_divergence": 7 if i in diverge else None})
+
+
+def test_stored_llamacpp_sweep_where_every_setting_loses(backend, tmp_path):
+    """The llama.cpp figures of a 2-core CPU (speculation at 0.2-0.9x of plain decoding), stored as a K sweep: the
+    advisor says "don't" and names the K that loses least; where one K does not measurably lose, no such line."""
+    from specconsole.suite_job import export_suite
+
+    history = History(tmp_path / "h.db")
+    store_runs(history, "s1", "translation", "2", [0.2, 0.22, 0.25, 0.25, 0.27, 0.3], diverge=(1, 4))
+    store_runs(history, "s1", "translation", "4", [0.5, 0.55, 0.6, 0.62, 0.65, 0.7], diverge=(2,))
+    store_runs(history, "s1", "structured", "2", [0.8, 0.85, 0.88, 0.9, 0.92, 0.95])
+    store_runs(history, "s1", "structured", "4", [0.95, 0.97, 0.98, 1.0, 1.02, 1.04])
+    out = export_suite(history, backend, "s1", tmp_path / "out" / "suite.csv", tmp_path / "out" / "r.html")
+    structured, translation = out.advice
+    assert translation.verdict == "don't" and translation.least_loss == {"k": "4"}
+    assert "loses least with k = 4 (0.61x)" in translation.details()
+    assert any(r.startswith("every k swept is measurably slower than the baseline (2 values): k = 4 loses least: "
+                            "0.61x (95 % CI") for r in translation.reasons)
+    assert structured.verdict == "don't" and structured.least_loss == {}  # k = 4 is undecided, not slower
+    assert any("k = 4 measured 0.99x" in r for r in structured.reasons)
+    # how often speculation kept the greedy output, per category and sweep value, and llama.cpp's reason
+    agg = out.aggregates.set_index(["category", "sweep_value"])
+    assert agg.loc[("translation", "2"), "identical"] == "4/6" and agg.loc[("structured", "4"), "identical"] == "6/6"
+    assert "batched pass" in agg.loc[("translation", "2"), "divergence_note"]
+    assert pd.isna(agg.loc[("structured", "4"), "divergence_note"])
+    assert any(r.startswith("greedy output identical to the baseline's in 4 of 6 runs; llama.cpp verifies")
+               for r in translation.reasons)
+    categories_csv = pd.read_csv(out.paths[1])
+    assert list(categories_csv["identical"]) == ["6/6", "6/6", "4/6", "5/6"]
+    assert categories_csv["divergence_note"].notna().tolist() == [False, False, True, True]
+    runs_csv = pd.read_csv(out.paths[0])
+    parted = runs_csv[runs_csv["identical"] == False]  # noqa: E712 - the CSV's column holds True / False
+    assert sorted(parted["first_divergence"]) == [7, 7, 7] and parted["divergence_note"].str.contains("batched").all()
+    assert runs_csv[runs_csv["identical"] == True]["divergence_note"].isna().all()  # noqa: E712
+    html = out.paths[2].read_text()
+    assert "loses least with k = 4" in html and "4/6" in html
+
+
+def test_history_csv_exports_the_divergence_note_with_the_first_divergence(tmp_path):
+    from specconsole.export import export_csv
+
+    history = History(tmp_path / "h.db")
+    store_runs(history, "s1", "code", "4", [0.6, 0.7], diverge=(1,))
+    runs_csv, _ = export_csv(history, tmp_path / "out")
+    rows = pd.read_csv(runs_csv).sort_values("prompt")
+    assert rows["first_divergence"].isna().tolist() == [True, False]
+    assert rows["divergence_note"].isna().tolist() == [True, False]
+    assert "batched pass" in rows["divergence_note"].iloc[1]
+
+
+class RestartableServer(ServerLike):
+    """ServerLike whose speculative server the console started: reconfigure() records each --speculative-config."""
+
+    def __init__(self, inner):
+        from dataclasses import replace
+
+        super().__init__(inner)
+        self.capabilities = replace(self.capabilities, can_reconfigure=True)
+        self.speculative_config = {"method": "eagle", "num_speculative_tokens": 4, "model": "/m/eagle"}
+        self.served = []
+
+    def reconfigure(self, config):
+        self.served.append(config)
+        self.speculative_config = config
+
+    def describe(self):
+        spec = self.speculative_config
+        return {"backend": "vllm", "target_model": "tiny", "draft_model": spec.get("model"), "method": spec["method"]}
+
+
+def test_k_sweep_on_a_server_restarts_it_per_k_then_restores_it(backend, tmp_path):
+    """A server's K is its own: the sweep restarts it with each K (same method and model), then as it was."""
+    from engine.request import build_request
+    from specconsole.suite_job import SuiteJob
+
+    server = RestartableServer(backend)
+    history = History(tmp_path / "h.db")
+    suite = run_suite(server, ITEMS[:1], Request(prompt="-", max_new_tokens=4), history, {}, variable="k",
+                      values=["2", "6"])
+    assert [c["num_speculative_tokens"] for c in server.served] == [2, 6, 4]
+    assert {(c["method"], c["model"]) for c in server.served} == {("eagle", "/m/eagle")}
+    assert sorted(r["sweep_value"] for r in history.runs(suite_id=suite.suite_id)) == ["2", "6"]
+    with pytest.raises(ValueError, match="dynamic K is the local backend's"):
+        SuiteJob(server, None, ITEMS, build_request(""), variable="k", values=["2", "dynamic"]).check()
+    assert SuiteJob(server, None, ITEMS, build_request(""), variable="k").values == ["1", "2", "4", "8"]
+    with pytest.raises(ValueError, match="only engines the console started"):
+        SuiteJob(ServerLike(backend), None, ITEMS, build_request(""), variable="k", values=["2"]).check()

@@ -1,0 +1,298 @@
+"""llama.cpp engines the console starts: one llama.cpp server per engine (the `xllamacpp` wheel: llama.cpp's own C++
+server, prebuilt for the CPU), each in a Python process of its own, serving llama.cpp's HTTP API on 127.0.0.1.
+
+    python -m engine.llamacpp_server --model T.gguf [--method draft --draft D.gguf --k 4] --threads 2 --ready FILE
+
+A process per engine, not the server in the console's process: a llama.cpp abort (a failed GGML_ASSERT) ends only
+that engine, which the backend then reports, and an engine can be stopped or restarted alone. Each runs under
+engine/server_guard.py, as a managed vLLM server does, so none outlives the console.
+
+Option names changed across llama.cpp versions (--draft-max became --spec-draft-n-max, n-gram drafting gained types
+of its own), and the wheel exposes them as attributes of its CommonParams: check_build() looks each one up in the
+installed build before anything starts and names what is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from engine.guarded_process import GuardedProcess, healthy, server_env
+from engine.vllm_server import VLLMError
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# --llamacpp-method -> (llama.cpp's speculative type, the CommonParamsSpeculative member that holds its settings).
+# "draft" is llama-server's --spec-type draft-simple (-md), the others its --spec-type names.
+METHODS = {
+    "draft": ("DRAFT_SIMPLE", "draft"),
+    "eagle3": ("DRAFT_EAGLE3", "draft"),
+    "mtp": ("DRAFT_MTP", "draft"),
+    "ngram-simple": ("NGRAM_SIMPLE", "ngram_simple"),
+    "ngram-map-k": ("NGRAM_MAP_K", "ngram_map_k"),
+    "ngram-map-k4v": ("NGRAM_MAP_K4V", "ngram_map_k4v"),
+    "ngram-mod": ("NGRAM_MOD", "ngram_mod"),
+    "ngram-cache": ("NGRAM_CACHE", "ngram_cache"),
+}
+DRAFT_MODEL_METHODS = ("draft", "eagle3")  # a second GGUF drafts (an EAGLE-3 head is a GGUF of its own)
+BASE_OPTIONS = ("model.path", "n_ctx", "n_parallel", "port", "hostnames", "api_keys", "cpuparams.n_threads",
+                "cpuparams_batch.n_threads", "speculative.types", "verbosity")
+# the options each method's settings need; K is draft.n_max for the draft methods, the n-gram types' own length
+METHOD_OPTIONS = {
+    "draft": ("speculative.draft.mparams.path", "speculative.draft.n_max", "speculative.draft.n_min",
+              "speculative.draft.p_min", "speculative.draft.cpuparams.n_threads",
+              "speculative.draft.cpuparams_batch.n_threads"),
+    "mtp": ("load_mtp", "speculative.draft.n_max", "speculative.draft.n_min", "speculative.draft.p_min"),
+    "ngram_simple": ("speculative.ngram_simple.size_n", "speculative.ngram_simple.size_m"),
+    "ngram_map_k": ("speculative.ngram_map_k.size_n", "speculative.ngram_map_k.size_m"),
+    "ngram_map_k4v": ("speculative.ngram_map_k4v.size_n", "speculative.ngram_map_k4v.size_m"),
+    "ngram_mod": ("speculative.ngram_mod.n_max", "speculative.ngram_mod.n_min", "speculative.ngram_mod.n_match"),
+    "ngram_cache": (),
+}
+START_TIMEOUT_S = 300.0  # loading a GGUF takes seconds; a 1.5B model cold from disk well under a minute
+STOP_TIMEOUT_S = 20.0
+
+
+class LlamaCppError(VLLMError):
+    """A llama.cpp engine that cannot be configured, started, reached or trusted; the message says why. A VLLMError,
+    so that what catches a server's failure (the console, the workbench) catches this one too."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One llama.cpp engine: the target GGUF, and for a speculative one its method and drafting settings."""
+
+    role: str  # "baseline" | "speculative" | "speculative-2" ...
+    model: str  # the target's GGUF file
+    method: str = "none"  # "none" or a key of METHODS
+    draft: str | None = None  # the draft's GGUF (draft, eagle3)
+    k: int | None = None  # drafts per step: draft.n_max, or the n-gram type's draft length; None: the build's
+    n_min: int | None = None  # fewer drafts than this: the step runs without them
+    p_min: float | None = None  # a draft model stops below this confidence
+    ngram_n: int | None = None  # n-gram types: the length of the n-gram looked up (llama.cpp's default is 12)
+    threads: int = 1
+    ctx: int = 4096
+    api_key: str | None = None
+    parallel: int = 1  # requests served at once (llama-server --parallel; the context is split between them)
+
+    def label(self) -> str:
+        """What the page calls this engine: "llama.cpp draft K=4"."""
+        if self.method == "none":
+            return "llama.cpp"
+        extra = "".join(f" {name}={value}" for name, value in (("K", self.k), ("n_min", self.n_min),
+                                                                ("p_min", self.p_min), ("N", self.ngram_n))
+                        if value is not None)
+        return f"llama.cpp {self.method}{extra}"
+
+    def args(self) -> list[str]:
+        """The command line of main() for this engine (the API key goes through the environment, never argv)."""
+        out = ["--role", self.role, "--model", self.model, "--method", self.method, "--threads", str(self.threads),
+               "--ctx", str(self.ctx), "--parallel", str(self.parallel)]
+        for name in ("draft", "k", "n_min", "p_min", "ngram_n"):
+            value = getattr(self, name)
+            if value is not None:
+                out += [f"--{name.replace('_', '-')}", str(value)]
+        return out
+
+
+def parse_method(spec: str, base: EngineConfig) -> EngineConfig:
+    """`ngram-simple:k=4:n=3` or `draft:k=2:p_min=0.6` -> base with that method and settings (--llamacpp-compare)."""
+    method, *options = spec.strip().split(":")
+    if method not in METHODS:
+        raise LlamaCppError(f"unknown llama.cpp method {method!r}; methods: {', '.join(METHODS)}")
+    changes: dict = {"method": method}
+    names = {"k": ("k", int), "n_min": ("n_min", int), "p_min": ("p_min", float), "n": ("ngram_n", int)}
+    for option in options:
+        key, _, value = option.partition("=")
+        if key not in names or not value:
+            raise LlamaCppError(f"{spec!r}: options are k=N, n_min=N, p_min=X and n=N (the n-gram length)")
+        field, kind = names[key]
+        try:
+            changes[field] = kind(value)
+        except ValueError:
+            raise LlamaCppError(f"{spec!r}: {key} must be a number, got {value!r}") from None
+    return replace(base, **changes)
+
+
+# --- the build's option names ----------------------------------------------------------------------------------------
+
+
+def check_build(config: EngineConfig) -> None:
+    """LlamaCppError naming every option `config` needs that the installed xllamacpp build lacks (and the method's
+    speculative type), so that a renamed option fails here, before any engine starts, and says which."""
+    try:
+        import xllamacpp
+    except ImportError as e:
+        raise LlamaCppError(f"the llama.cpp backend needs the xllamacpp package (`bash .ci/setup` installs it): {e}"
+                            ) from e
+    missing = [name for name in options_for(config) if not _has(xllamacpp.CommonParams(), name)]
+    if config.method != "none":
+        kind = "COMMON_SPECULATIVE_TYPE_" + METHODS[config.method][0]
+        if not hasattr(xllamacpp.common_speculative_type, kind):
+            missing.append(f"common_speculative_type.{kind}")
+    if missing:
+        raise LlamaCppError(f"this xllamacpp build ({getattr(xllamacpp, '__version__', '?')}) has no "
+                            f"{', '.join(missing)}: llama.cpp renamed or dropped them. Install the version "
+                            "pyproject.toml pins, or choose another --llamacpp-method.")
+
+
+def options_for(config: EngineConfig) -> tuple[str, ...]:
+    if config.method == "none":
+        return BASE_OPTIONS
+    if config.method not in METHODS:
+        raise LlamaCppError(f"unknown llama.cpp method {config.method!r}; methods: {', '.join(METHODS)}")
+    member = METHODS[config.method][1]
+    names = METHOD_OPTIONS["mtp" if config.method == "mtp" else member]
+    return BASE_OPTIONS + names
+
+
+def _has(obj, dotted: str) -> bool:
+    for part in dotted.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            return False
+    return True
+
+
+def build_params(config: EngineConfig, port: int = 0):
+    """xllamacpp.CommonParams for `config` (check_build first). Sampling is the request's."""
+    import xllamacpp
+
+    check_build(config)
+    if config.method in DRAFT_MODEL_METHODS and not config.draft:
+        raise LlamaCppError(f"llama.cpp {config.method} drafting needs a draft GGUF (--draft)")
+    p = xllamacpp.CommonParams()
+    p.model.path = config.model
+    p.n_ctx = config.ctx
+    p.n_parallel = config.parallel
+    p.hostnames = ["127.0.0.1"]
+    p.port = port
+    p.verbosity = 1
+    p.cpuparams.n_threads = config.threads
+    p.cpuparams_batch.n_threads = config.threads
+    if config.api_key:
+        p.api_keys = [config.api_key]
+    if config.method == "none":
+        return p
+    kind, member = METHODS[config.method]
+    p.speculative.types = [getattr(xllamacpp.common_speculative_type, "COMMON_SPECULATIVE_TYPE_" + kind)]
+    spec = p.speculative
+    if member == "draft":
+        draft = spec.draft
+        if config.method == "mtp":
+            p.load_mtp = True
+        else:
+            draft.mparams.path = config.draft
+            draft.cpuparams.n_threads = config.threads
+            draft.cpuparams_batch.n_threads = config.threads
+        for name in ("n_min", "p_min"):
+            if getattr(config, name) is not None:
+                setattr(draft, name, getattr(config, name))
+        if config.k is not None:
+            draft.n_max = config.k
+            draft.n_min = min(draft.n_min, config.k)
+    elif member == "ngram_mod":
+        mod = spec.ngram_mod
+        if config.k is not None:
+            mod.n_max = config.k
+            mod.n_min = min(config.n_min if config.n_min is not None else mod.n_min, config.k)
+        if config.ngram_n is not None:
+            mod.n_match = config.ngram_n
+    elif member != "ngram_cache":
+        ngram = getattr(spec, member)
+        if config.k is not None:
+            ngram.size_m = config.k
+        if config.ngram_n is not None:
+            ngram.size_n = config.ngram_n
+    return p
+
+
+# --- one engine in a process of its own ------------------------------------------------------------------------------
+
+
+class LlamaCppEngine(GuardedProcess):
+    """One engine process (under its guard) with its log file; start() returns once it answers /health, or raises
+    with the log's tail."""
+
+    def __init__(self, config: EngineConfig, log_dir: Path, python: str = sys.executable):
+        super().__init__(f"{config.role} llama.cpp engine", log_dir / f"llamacpp-{config.role}.log", LlamaCppError)
+        self.config, self.python = config, python
+        self.ready_path = log_dir / f"llamacpp-{config.role}.url"
+        self.url: str | None = None
+
+    def start(self, timeout: float = START_TIMEOUT_S) -> None:
+        check_build(self.config)
+        self.ready_path.unlink(missing_ok=True)
+        command = [self.python, "-m", "engine.llamacpp_server", *self.config.args(), "--ready", str(self.ready_path)]
+        log.info("starting the %s llama.cpp engine: %s", self.config.role, " ".join(command))
+        env = server_env(dict(os.environ))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        if self.config.api_key:
+            env["SPECCONSOLE_LLAMACPP_KEY"] = self.config.api_key
+        self.spawn(command, env, python=self.python, cwd=ROOT)
+        self.wait_ready(self._answers, timeout, poll_s=0.2)
+        log.info("%s llama.cpp engine ready at %s", self.config.role, self.url)
+
+    def _answers(self) -> bool:
+        if self.url is None and self.ready_path.exists():  # the engine writes its URL once it listens
+            self.url = self.ready_path.read_text().strip()
+        return self.url is not None and healthy(self.url)
+
+    def stop(self) -> None:
+        """Ask the guard to stop the engine; kill the whole group if it hangs. Safe to call twice."""
+        super().stop(grace=STOP_TIMEOUT_S + 5)
+
+
+# --- the engine process itself ---------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve one engine until SIGTERM / SIGINT; write its URL to --ready once it answers."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s llamacpp: %(message)s")
+    p = argparse.ArgumentParser(prog="python -m engine.llamacpp_server", description=__doc__)
+    p.add_argument("--role", default="engine")
+    p.add_argument("--model", required=True, help="the target GGUF")
+    p.add_argument("--method", default="none", choices=["none", *METHODS])
+    p.add_argument("--draft", help="the draft GGUF (draft, eagle3)")
+    p.add_argument("--k", type=int)
+    p.add_argument("--n-min", type=int)
+    p.add_argument("--p-min", type=float)
+    p.add_argument("--ngram-n", type=int)
+    p.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
+    p.add_argument("--ctx", type=int, default=4096)
+    p.add_argument("--parallel", type=int, default=1, help="requests served at once")
+    p.add_argument("--port", type=int, default=0, help="0: any free port (the URL goes to --ready)")
+    p.add_argument("--ready", help="file to write the URL to once the engine answers")
+    a = p.parse_args(argv)
+    config = EngineConfig(a.role, a.model, a.method, a.draft, a.k, a.n_min, a.p_min, a.ngram_n, a.threads, a.ctx,
+                          os.environ.get("SPECCONSOLE_LLAMACPP_KEY") or None, a.parallel)
+    import xllamacpp
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    server = xllamacpp.Server(build_params(config, a.port))
+    url = server.listening_address
+    url = url if url.startswith("http") else f"http://{url}"
+    log.info("%s engine (%s) serving at %s", config.role, config.label(), url)
+    if a.ready:
+        tmp = Path(a.ready + ".tmp")
+        tmp.write_text(url)
+        tmp.replace(a.ready)  # whole or not at all: the console polls for it
+    while not stop.wait(0.5):
+        pass
+    del server  # its destructor stops llama.cpp's loop and HTTP server
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""What the page costs the engines it measures. The same greedy comparison, in fair mode, run through the page's
+update path (the Run button's handler, served by Gradio and read by a client in another process) and through the API
+(specconsole.runner.Comparison alone): the engines make the same passes, and the console's own threads other than the
+engines' do (almost) no work while a pass is timed. The disturbance is counted in CPU seconds of those threads
+(specconsole.machine.ConsoleWork), not in wall-clock time, so a busy machine does not decide the test."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from engine.request import build_request
+from specconsole import runner
+from specconsole.history import History
+from specconsole.host import ModelHost
+from specconsole.runner import Comparison
+from tests.conftest import free_ports, run_to_end
+
+PROMPT = "Write a function that adds two numbers, then explain it line by line."
+NEW_TOKENS = 160
+PAGE_CORES = 0.05  # half the noise threshold (specconsole.machine.NOISY_CORES): the page alone never makes a run noisy
+
+CLIENT = """
+import sys
+from gradio_client import Client
+client = Client(sys.argv[1], verbose=False)
+# the Run tab's inputs, in tab_run's order: prompt, category, method, k, dynamic_k, confidence, draft_vocab, fallback,
+# temperature, top_p, max_new, seed, mode, show_rejected, compare_with
+job = client.submit(sys.argv[2], None, "ngram", 3, False, 0.0, 0, False, 0.0, 1.0, int(sys.argv[3]), 0, "fair",
+                    True, [], api_name="/run")
+updates = sum(1 for _ in job)
+print(updates)
+"""
+
+
+@pytest.fixture(scope="module")
+def console(backend, tmp_path_factory):
+    from specconsole.app import launch
+
+    history = History(tmp_path_factory.mktemp("page") / "history.db")
+    host = ModelHost("tiny", lambda progress: backend).start()
+    assert host.wait(60)
+    port = free_ports(1)[0]
+    app = launch(host, history, "127.0.0.1", port, prevent_thread_lock=True)
+    yield f"http://127.0.0.1:{port}/", history
+    app.close()
+
+
+def _through_page(url: str, history: History) -> tuple[int, dict]:
+    done = subprocess.run([sys.executable, "-c", CLIENT, url, PROMPT, str(NEW_TOKENS)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = history.runs(limit=1)[0]
+    return int(done.stdout.split()[-1]), run
+
+
+def _steps(history: History, run_id: str) -> list[int]:
+    results = history.results(run_id)
+    return [len(results[e].steps) for e in ("baseline", "speculative")]
+
+
+def test_the_page_does_no_work_while_a_pass_is_timed(console, backend):
+    url, history = console
+    updates, run = _through_page(url, history)
+    comparison = json.loads(run["comparison"])
+    assert updates >= 4  # the page streamed: updates during the run, not only the layout and the end
+
+    api = run_to_end(Comparison(backend, build_request(PROMPT, max_new_tokens=NEW_TOKENS, temperature=0.0,
+                                                       method="ngram", k=3, dynamic_k=False, draft_confidence=0.0),
+                                "fair", None, {}))
+    # the same work: the same passes, the same output
+    assert comparison["identical"] and api.comparison()["identical"]
+    assert [len(api.results[e].steps) for e in ("baseline", "speculative")] == _steps(history, run["id"])
+    # the console's own threads spent (almost) nothing during the timed passes: Gradio serialised each update
+    # between two passes. The few milliseconds left are its event loop writing the queued message to the socket.
+    assert comparison["page_cores"] <= PAGE_CORES and api.machine["page_cores"] <= PAGE_CORES, (comparison, api.machine)
+
+
+def test_without_waiting_for_the_page_its_work_lands_in_the_timed_passes(console, monkeypatch):
+    """The measurement itself: with the turns not waiting for Gradio, its serialisation overlaps the passes and is
+    counted (so a run disturbed by its own page says so)."""
+    url, history = console
+    cost, waiting = {}, runner.PAGE_WAIT_S
+    for wait in (waiting, 0.0):
+        monkeypatch.setattr(runner, "PAGE_WAIT_S", wait)
+        cost[wait] = json.loads(_through_page(url, history)[1]["comparison"])["page_cpu_s"]
+    print("page_cpu_s by wait", cost)
+    assert cost[0.0] > cost[waiting]
