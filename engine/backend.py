@@ -85,6 +85,10 @@ class Backend(Protocol):
     def memory(self) -> dict | None:
         """target_gb, draft_gb, needed_gb, available_gb where the backend knows them (else None)."""
 
+    def drafting(self) -> dict:
+        """The speculative engine's own drafting config, in the form reconfigure() takes (a sweep restores it after
+        restarting the engine per value); {} where the request's drafting settings apply (capabilities say so)."""
+
     def reconfigure(self, speculative: dict) -> None:
         """Restart the speculative side with another drafting config (only with capabilities.can_reconfigure)."""
 

@@ -207,8 +207,7 @@ class LlamaCppBackend:
                 return
         raise LlamaCppError(f"the new drafting settings failed; the previous ones run again. {error}")
 
-    @property
-    def speculative_config(self) -> dict:
+    def drafting(self) -> dict:
         """The speculative engine's drafting settings, as reconfigure() takes them ({} where not known)."""
         config = self.configs.get("speculative")
         return {name: getattr(config, name) for name in DRAFTING_FIELDS} if config else {}

@@ -89,6 +89,9 @@ class LocalBackend:
     def ignored_settings(self, req: Request) -> tuple[str, ...]:
         return ()
 
+    def drafting(self) -> dict:
+        return {}  # the request's drafting settings apply, per run
+
     def reconfigure(self, speculative: dict) -> None:
         raise SettingsError("the local engines take their drafting settings with each run; nothing to restart")
 

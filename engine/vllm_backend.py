@@ -185,6 +185,9 @@ class VLLMBackend:
         return cls(baseline_url, speculative_url, roots[1][0], api_key, max_model_len=roots[1][2],
                    speculative=speculative, extra=extra)
 
+    def drafting(self) -> dict:
+        return dict(self.speculative_config)
+
     def reconfigure(self, speculative: dict) -> None:
         """Restart the managed speculative server with another --speculative-config (the page's settings). If the
         new one fails to start, the old one is started again and the error, with the log's tail, is raised."""

@@ -42,11 +42,13 @@ log = logging.getLogger(__name__)
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 LIVE_PANEL_JS = (ASSETS / "live_panel.js").read_text()
-# The page must not take the CPU it measures: panels receive only their new tokens, five times a second at most;
-# the figures twice a second; plotly re-lays out a whole chart per update, so charts once a second.
+# The page must not take the CPU it measures (the browser runs on the engines' cores, during their timed passes):
+# panels receive only their new tokens, five times a second at most; the figures once a second; plotly re-lays out
+# a whole chart per update, the browser's largest cost (docs/page-cost.md), so charts every 5 s and at the end.
 PANEL_EVERY_S = 0.2
-FIGURES_EVERY_S = 0.5
-CHART_EVERY_S = 1.0
+FIGURES_EVERY_S = 1.0
+CHART_EVERY_S = 5.0
+PAGE_SETTLE_S = 0.05  # after each update, before the next timed pass: the browser draws it meanwhile
 QUEUED = ("Queued behind another run: runs go one at a time, because the timings of concurrent runs would share "
           "the CPU. This one starts when that one ends (Stop cancels it).")
 ONE_AT_A_TIME = ("Runs go one at a time (also across browser tabs): the timings of concurrent runs would share the "
@@ -191,6 +193,7 @@ def _stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
             # before it asks for the next one: only then may the next timed pass start
             yield outputs_of(panels, figures if figures_due else None, plots)
         finally:
+            time.sleep(PAGE_SETTLE_S)
             comp.page_idle.set()
         if done:
             break

@@ -104,7 +104,7 @@ def default_values(backend, variable: str) -> list[str]:
     if variable == "k" and server_drafting(backend):
         return [v for v in SWEEPS["k"] if v != "dynamic"]
     if variable == "method" and backend.name == "llamacpp":
-        return [m for m in LLAMACPP_SWEEP if m not in DRAFT_MODEL_METHODS or backend.draft_path]
+        return [m for m in LLAMACPP_SWEEP if m not in DRAFT_MODEL_METHODS or backend.describe().get("draft_model")]
     return list(SWEEPS.get(variable, [""]))
 
 
@@ -167,7 +167,7 @@ def run_suite(backend, items: list[SuitePrompt], base: Request, history: History
     plan = [(item_index, item, value, repeat) for value in values for repeat in range(repeats)
             for item_index, item in enumerate(items)]
     bar = tqdm(total=len(plan), desc=f"suite {suite.suite_id}", unit="run")
-    before = dict(backend.speculative_config) if restart else None
+    before = backend.drafting() if restart else None
     served = None
     try:
         for i, (item_index, item, value, repeat) in enumerate(plan):
@@ -194,7 +194,7 @@ def run_suite(backend, items: list[SuitePrompt], base: Request, history: History
                 on_progress(i + 1, len(plan), f"{item.category}{note}: {item.prompt[:60]}")
     finally:
         bar.close()
-        if served is not None and dict(backend.speculative_config) != before:
+        if served is not None and backend.drafting() != before:
             backend.reconfigure(before)  # the console serves the settings it had before the sweep
     suite.cancelled = suite.cancelled or (cancel is not None and cancel.is_set())
     return suite

@@ -451,6 +451,9 @@ class RestartableServer(ServerLike):
         self.served.append(config)
         self.speculative_config = config
 
+    def drafting(self):
+        return dict(self.speculative_config)
+
     def describe(self):
         spec = self.speculative_config
         return {"backend": "vllm", "target_model": "tiny", "draft_model": spec.get("model"), "method": spec["method"]}
