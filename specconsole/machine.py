@@ -43,7 +43,7 @@ class ConsoleWork:
             if t.native_id is not None and t.native_id not in self.engine_ids:
                 try:
                     total += _thread_cpu_s(t.native_id)
-                except OSError:  # the thread ended meanwhile
+                except (OSError, AttributeError):  # the thread ended meanwhile; no such clock (not Linux): 0
                     pass
         return total
 

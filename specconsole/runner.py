@@ -30,12 +30,12 @@ import threading
 import time
 from dataclasses import asdict, replace
 
+from engine.backend import ENGINES, MAX_EXTRA, extra_engine
 from engine.check import sampling_check
 from engine.events import Event, PolicyEvent, Reclassified, RunResult, StepRecord, TokenEvent
 from engine.metrics import compare, run_metrics
 from specconsole.history import EventLog, History, HistoryError
 from specconsole.machine import MachineLoad
-from engine.backend import ENGINES, MAX_EXTRA, extra_engine
 from specconsole.variants import Variant
 
 log = logging.getLogger(__name__)
@@ -223,7 +223,10 @@ class Comparison:
                     clocks[engine].resume()
                     try:
                         for event in streams[engine]:  # up to the end of this engine's next target pass
-                            turn.append((engine, event)) if hold else self.events.put((engine, event))
+                            if hold:
+                                turn.append((engine, event))
+                            else:
+                                self.events.put((engine, event))
                             if isinstance(event, (until, RunResult)):
                                 break
                         else:

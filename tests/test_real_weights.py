@@ -124,17 +124,22 @@ def test_int8_self_draft_greedy_identical(smol_self_draft, dynamic_k):
     assert {t.kind for t in s.output_tokens} & {TokenKind.ACCEPTED, TokenKind.BONUS}
 
 
-@pytest.mark.parametrize("prompt", PROMPTS[::2])
-def test_token_tree_greedy_identical(smol_self_draft, prompt):
+def test_token_tree_greedy_identical(smol_self_draft):
     """One-token drafts leave 3 rows of each verify pass free: they verify the int8 draft's next-best first tokens.
     The output stays the baseline's with and without the tree, and where the int8 copy's first choice is not the
-    target's, one of its next choices is often: the tree accepts it."""
-    req = Request(prompt=prompt, max_new_tokens=40, method="draft", k=1)
-    b, tree = run(smol_self_draft, req, "baseline"), run(smol_self_draft, req, "speculative")
-    chain = run(smol_self_draft, replace(req, token_tree=False), "speculative")
-    assert tree.output_ids == chain.output_ids == b.output_ids
-    assert tree.metrics["tree_accepted"] >= 1 and chain.metrics["tree_accepted"] == 0
-    assert tree.metrics["target_passes"] < chain.metrics["target_passes"]
+    target's, one of its next choices is often: the tree accepts it. A win near the end can be cut by max new
+    tokens (the last step has one token left), and the step boundaries move after a win, so one prompt may save no
+    pass: the sample must."""
+    passes = {"tree": 0, "chain": 0}
+    for prompt in PROMPTS[::2]:
+        req = Request(prompt=prompt, max_new_tokens=40, method="draft", k=1)
+        b, tree = run(smol_self_draft, req, "baseline"), run(smol_self_draft, req, "speculative")
+        chain = run(smol_self_draft, replace(req, token_tree=False), "speculative")
+        assert tree.output_ids == chain.output_ids == b.output_ids, prompt
+        assert tree.metrics["tree_accepted"] >= 1 and chain.metrics["tree_accepted"] == 0, prompt
+        passes["tree"] += tree.metrics["target_passes"]
+        passes["chain"] += chain.metrics["target_passes"]
+    assert passes["tree"] < passes["chain"], passes
 
 
 def test_sampled_run_reproducible_with_seed(smol_self_draft):
