@@ -189,6 +189,7 @@ TIER_FILES = {
     "real_weights": ("test_real_weights.py", "test_stop_replay.py"),
 }
 TIER_FIXTURES = {"browser": ("browser", "page")}
+SLOW_FILES = ("test_sampling_distribution.py",)  # chi-square tests on thousands of sampled runs: minutes each
 TIERS = (*TIER_FILES, "slow")
 
 
@@ -202,5 +203,5 @@ def pytest_collection_modifyitems(items):
         for tier, files in TIER_FILES.items():
             if item.path.name in files or any(f in item.fixturenames for f in TIER_FIXTURES.get(tier, ())):
                 item.add_marker(tier)
-        if any(item.get_closest_marker(t) for t in TIER_FILES):
+        if item.path.name in SLOW_FILES or any(item.get_closest_marker(t) for t in TIER_FILES):
             item.add_marker("slow")
