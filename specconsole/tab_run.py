@@ -21,19 +21,18 @@ from pathlib import Path
 
 import gradio as gr
 
+from engine.backend import ENGINES, MAX_EXTRA, extra_engine
+from engine.limits import MAX_K, MAX_QUEUED_RUNS, SettingsError
 from engine.models import ModelError
 from engine.request import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DYNAMIC_K, DEFAULT_K, DEFAULT_MAX_NEW_TOKENS,
                             DEFAULT_SEED, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, MAX_NEW_TOKENS, METHODS, MIN_DRAFT_VOCAB,
                             build_request)
-from engine.limits import MAX_QUEUED_RUNS
-from engine.limits import MAX_K, SettingsError
 from engine.vllm_config import METHODS as VLLM_METHODS, speculative_config
 from specconsole import charts
 from specconsole.history import History
 from specconsole.host import ModelHost
 from specconsole.markup import md
 from specconsole.render import PanelFeed, engines_html, figures_html, legend_html, panel_notice
-from engine.backend import ENGINES, MAX_EXTRA, extra_engine
 from specconsole.runner import MODES, Comparison, run_meta
 from specconsole.suites import categories, load_suite
 from specconsole.variants import PRESETS, from_presets, label_of, served
