@@ -4,7 +4,10 @@
     python launch.py demo --prompt "..."   one prompt on both engines in the terminal, with the comparison
     python launch.py demo --prompt "..." --compare draft,ngram,draft:k=4   the baseline and up to four speculative
                                            configurations, then a table of them all
+    python launch.py suite --category code --sweep k   prompt suites on both engines: CSV, verdicts, advice
     python launch.py replay RUN_ID --out replay.html   a saved run as a self-contained HTML replay (offline)
+
+`specconsole` (installed with the project) is the same command. `launch.py SUBCOMMAND --help` lists its options.
 """
 
 from __future__ import annotations
@@ -16,32 +19,28 @@ import signal
 import sys
 from pathlib import Path
 
+from specconsole.hosts import backend_host
+
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 log = logging.getLogger("specconsole")
 
-# ANSI colours for the terminal demo (the console uses the same kinds, colour-blind-safe, in CSS)
-COLOURS = {"accepted": "\033[34m", "recovered": "\033[33m", "bonus": "\033[35m", "rejected": "\033[9;90m"}
-RESET = "\033[0m"
-
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    from engine.models import DEFAULT_PRESET, PRESETS
     from engine.optimize import MIN_ROWS
+    from engine.precision import PRECISIONS
+    from engine.presets import DEFAULT_PRESET, PRESETS
 
     p.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS), help="models to load")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--min-rows", type=int, default=MIN_ROWS,
                    help="target passes over fewer tokens run padded to this many rows: bitwise exact and faster on "
                         "our CPU (1 = no padding: single rows may differ in the last bits)")
+    p.add_argument("--precision", default="float32", choices=PRECISIONS,
+                   help="the target's weights: float32, or float16 on CPU (half the bytes, ~2x faster decoding; "
+                        "speculative output still equals the baseline's, both may part from float32's)")
     p.add_argument("--target", help="target model instead of the preset's: a model directory or a .gguf file")
     p.add_argument("--draft", help="draft model instead of the preset's (same tokenizer as the target)")
-
-
-def preset_of(args):
-    from engine.models import custom_preset
-
-    return custom_preset(args.preset, args.target, args.draft)
 
 
 def add_request_args(p: argparse.ArgumentParser, suite: bool = False) -> None:
@@ -132,10 +131,11 @@ def check_limits(args, prompt: str) -> None:
 
 
 def demo(args) -> int:
-    """One prompt on both engines, one after the other, streamed to the terminal; then the figures and the checks
-    (greedy: identical or the first divergence; sampled: the sampling check)."""
-    from engine.check import sampling_check
-    from engine.metrics import compare
+    """One prompt on the baseline and the speculative engine (or, with --compare or a backend's extra servers, every
+    variant), streamed to the terminal; then the figures and the checks (specconsole.terminal)."""
+    from engine.sampling import SettingsError
+    from specconsole import terminal
+    from specconsole.variants import choose, parse_compare
 
     check_limits(args, args.prompt)
     host = backend_host(args).start()
@@ -145,118 +145,14 @@ def demo(args) -> int:
             return 2
         backend = host.backend
         req = build_request(args, args.prompt, host.method)
-        if args.compare or backend.variants():  # vLLM with extra servers: all of them, side by side
-            return _demo_compare(backend, req, args.compare)
-        backend.validate(req)  # before printing anything
-        results = {engine: _stream_to_terminal(backend, engine, req) for engine in ("baseline", "speculative")}
-        c = compare(results["baseline"], results["speculative"], req.sampling.greedy)
-        c |= sampling_check(backend, req, results)  # after both runs, outside their timing
-        sys.stdout.write("\n".join(_demo_lines(results["speculative"].metrics, c)) + "\n")
-        return 0
-    finally:
-        host.close()
-
-
-def _demo_compare(backend, base, spec: str | None) -> int:
-    """`demo --compare`: the baseline, then each configuration of `spec` (specconsole.variants.parse_compare), or on
-    vLLM each speculative server, one after the other, streamed; then one table: engine, label, tokens/s, speedup,
-    acceptance, identical."""
-    from engine.metrics import compare
-    from engine.backend import extra_engine
-    from specconsole.variants import Variant, parse_compare, served
-
-    from engine.sampling import SettingsError
-
-    if backend.capabilities.fixed_variants:
-        if spec:
+        if not (args.compare or backend.variants()):
+            return terminal.pair(backend, req)
+        if args.compare and backend.capabilities.fixed_variants:
             raise SettingsError("--compare sets drafting per run, which vLLM servers do not take: start one "
                                 "speculative server per config with --vllm-compare ngram:k=2,ngram:k=6")
-        method = backend.describe()["method"]  # "ngram" on vLLM, "llamacpp-draft" on llama.cpp
-        variants = [Variant(method if method.startswith(backend.name) else f"vLLM {method}", base),
-                    *served(backend, base)]
-    elif not backend.capabilities.per_request_drafting:
-        raise SettingsError("--compare needs a backend that takes drafting settings per run (--backend local)")
-    else:
-        variants = parse_compare(spec, base)
-    engines = {"speculative": variants[0], **{extra_engine(i): v for i, v in enumerate(variants[1:])}}
-    for v in variants:  # every configuration can be served before anything is printed (a missing draft model)
-        backend.validate(v.request)
-    results = {"baseline": _stream_to_terminal(backend, "baseline", base)}
-    for engine, v in engines.items():
-        results[engine] = _stream_to_terminal(backend, engine, v.request, v.label, v.server)
-    greedy = base.sampling.greedy
-    rows = [("engine", "label", "tokens/s", "speedup", "acceptance", "identical")]
-    for engine, r in results.items():
-        c = compare(results["baseline"], r, greedy) if engine != "baseline" else {}
-        acceptance = r.metrics.get("acceptance_rate")
-        identical = "-" if "identical" not in c else ("yes" if c["identical"] else f"no@{c['first_divergence']}")
-        rows.append((engine, engines[engine].label if engine in engines else "baseline",
-                     f"{r.metrics.get('tokens_per_s') or 0:.2f}", "-" if not c.get("speedup") else f"{c['speedup']:.2f}x",
-                     "-" if acceptance is None else f"{acceptance:.2f}", identical))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    sys.stdout.write("\n" + "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
-                                       for row in rows) + "\n")
-    return 0
-
-
-def _stream_to_terminal(backend, engine: str, req, label: str | None = None, server: str | None = None):
-    from dataclasses import replace
-
-    from engine.events import Reclassified, RunResult, TokenEvent
-
-    out, result, tokens = sys.stdout, None, []
-    out.write(f"\n== {engine}{f' ({label})' if label else ''} ==\n")
-    if engine == "baseline":
-        events = backend.baseline(req)
-    else:  # `server`: which of the backend's own speculative engines (vLLM: an extra server)
-        events = backend.speculative(req, engine=server) if server else backend.speculative(req)
-    for event in events:
-        if isinstance(event, TokenEvent):
-            tokens.append(replace(event))
-            if not out.isatty():
-                if event.kind.value != "rejected":  # plain text output: the answer only
-                    out.write(event.text)
-                continue
-            out.write(_coloured(event))
-            out.flush()
-        elif isinstance(event, Reclassified) and out.isatty():
-            # the kinds came at the end of the request (vLLM): the answer once more, coloured by its final kinds
-            event.apply(tokens)
-            out.write("\n-- the same tokens, by kind --\n" + "".join(_coloured(t) for t in tokens))
-        elif isinstance(event, RunResult):
-            result = event
-    m = result.metrics
-    passes = "unknown" if m.get("target_passes") is None else m["target_passes"]
-    out.write(f"\n[{result.finish_reason}{': ' + result.error if result.error else ''}] {m['output_tokens']} tokens, "
-              f"{m['tokens_per_s'] or 0:.2f} tok/s, target passes {passes}\n")
-    return result
-
-
-def _coloured(token) -> str:
-    colour = COLOURS.get(token.kind.value, "")
-    return f"{colour}{token.text}{RESET if colour else ''}"
-
-
-def _demo_lines(s: dict, c: dict) -> list[str]:
-    lines = [f"speedup {c['speedup'] or 0:.2f}x (decode {c['decode_speedup'] or 0:.2f}x)"]
-    if s.get("acceptance_rate") is not None:
-        lines.append(f"acceptance {s['acceptance_rate']:.2f}, mean accepted length {s['mean_accepted_length']:.2f}")
-    if s.get("highlighting"):
-        lines.append(f"highlighting: {s['highlighting']}")
-    if "machine_bound" in c:
-        lines.append(f"bound on this machine {c['machine_bound']:.2f}x, efficiency {c.get('efficiency') or 0:.2f}")
-    else:
-        lines.append("bound: unknown (draft and verify costs not measured)")
-    if "identical" in c:
-        lines.append("greedy outputs identical" if c["identical"]
-                     else f"outputs diverge at token {c['first_divergence']}"
-                     + (f" ({s['divergence_note']})" if s.get("divergence_note") else ""))
-    if c.get("nll_baseline") is not None:
-        lines.append(f"NLL nats/token: baseline {c['nll_baseline']:.2f}, speculative {c['nll_speculative']:.2f} "
-                     f"(perplexity {c['perplexity_baseline']:.1f} | {c['perplexity_speculative']:.1f})")
-    if c.get("sampling_check") or c.get("sampling_check_reason"):
-        lines.append(f"sampling check: {c.get('sampling_check') or 'not checked'} ({c.get('sampling_check_reason')})")
-    return lines
+        return terminal.table(backend, req, choose(backend, req, lambda: parse_compare(args.compare, req)))
+    finally:
+        host.close()
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -267,127 +163,6 @@ def exposure(host: str, share: bool) -> str | None:
     if share:
         return "through a public share link"
     return None if host in LOOPBACK else f"on {host}"
-
-
-def local_host(args):
-    from engine.local_backend import LocalBackend
-    from specconsole.host import ModelHost
-
-    preset = preset_of(args)
-    label = f"local: target {preset.target}, draft {preset.draft or 'n-gram prompt lookup'}"
-    factory = lambda progress: LocalBackend.from_preset(preset, args.device, args.min_rows, on_progress=progress)  # noqa: E731
-    return ModelHost(label, factory, preset.method)
-
-
-def backend_host(args):
-    """The ModelHost of --backend."""
-    return {"vllm": vllm_host, "llamacpp": llamacpp_host}.get(args.backend, local_host)(args)
-
-
-def llamacpp_host(args):
-    """llama.cpp engines: attached (--llamacpp-attach) or started on the preset's GGUF files. The installed build's
-    option names are checked here, before anything loads."""
-    from dataclasses import replace
-
-    from engine.http_safety import redact
-    from engine.llamacpp_backend import LlamaCppBackend
-    from engine.llamacpp_server import DRAFT_MODEL_METHODS, EngineConfig, LlamaCppError, check_build, parse_method
-    from engine.backend import MAX_EXTRA
-    from engine.weights import SOURCES, gguf_model
-    from specconsole.host import ModelHost
-
-    if args.llamacpp_attach:
-        urls = args.llamacpp_attach.split(",")
-        if not 2 <= len(urls) <= 2 + MAX_EXTRA:
-            raise SystemExit(f"--llamacpp-attach takes BASELINE_URL,SPECULATIVE_URL and up to {MAX_EXTRA} more "
-                             "speculative URLs")
-        api_key = os.environ.get(args.llamacpp_api_key_env) or None
-        return ModelHost(f"llama.cpp servers at {redact(', '.join(urls))}",
-                         lambda progress: LlamaCppBackend.attach(urls, api_key))
-    preset = preset_of(args)
-    method = args.llamacpp_method or ("draft" if preset.draft else "ngram-simple")
-    base = EngineConfig("speculative", "", method, k=args.llamacpp_k, n_min=args.llamacpp_n_min,
-                        p_min=args.llamacpp_p_min, ngram_n=args.llamacpp_ngram_n, threads=args.llamacpp_threads)
-    try:
-        extra = [parse_method(spec, base) for spec in (args.llamacpp_compare or "").split(",") if spec.strip()]
-        if len(extra) > MAX_EXTRA:
-            raise LlamaCppError(f"--llamacpp-compare takes at most {MAX_EXTRA} configs, got {len(extra)}")
-        for config in (base, *extra):
-            check_build(config)
-            if config.method in DRAFT_MODEL_METHODS and not preset.draft:
-                raise LlamaCppError(f"llama.cpp {config.method} drafting needs a draft GGUF: pass --draft")
-    except LlamaCppError as e:
-        raise SystemExit(str(e)) from e
-    for spec in filter(None, (preset.target, preset.draft)):
-        if spec not in SOURCES and not spec.endswith(".gguf"):
-            raise SystemExit(f"llama.cpp loads GGUF files: {spec!r} is neither a known model nor a .gguf file")
-
-    def factory(progress):
-        target = str(gguf_model(preset.target, on_progress=progress)[0])
-        draft = str(gguf_model(preset.draft, on_progress=progress)[0]) if preset.draft else None
-        configs = [replace(c, model=target, draft=draft if c.method in DRAFT_MODEL_METHODS else None)
-                   for c in (base, *extra)]
-        return LlamaCppBackend.managed(configs[0], configs[1:], on_progress=progress)
-
-    labels = ", ".join(c.label() for c in (base, *extra))
-    return ModelHost(f"llama.cpp (managed, {args.llamacpp_threads} threads each): {labels}", factory)
-
-
-def vllm_host(args):
-    from engine.http_safety import redact
-    from engine.models import resolve
-    from engine.backend import MAX_EXTRA
-    from engine.vllm_backend import VLLMBackend
-    from engine.vllm_config import parse_configs, speculative_config
-    from engine.vllm_server import VLLMError, has_gpu
-    from specconsole.host import ModelHost
-
-    api_key = os.environ.get(args.vllm_api_key_env) or None
-    try:
-        extra = parse_configs(args.vllm_compare or "", args.vllm_k)
-    except VLLMError as e:
-        raise SystemExit(str(e)) from e
-    if len(extra) > MAX_EXTRA:
-        raise SystemExit(f"--vllm-compare takes at most {MAX_EXTRA} configs, got {len(extra)}")
-    if args.vllm_attach:
-        urls = args.vllm_attach.split(",")
-        if not 2 <= len(urls) <= 2 + MAX_EXTRA:
-            raise SystemExit(f"--vllm-attach takes BASELINE_URL,SPECULATIVE_URL and up to {MAX_EXTRA} more "
-                             "speculative URLs")
-        if extra and len(extra) != len(urls) - 2:
-            raise SystemExit(f"--vllm-compare describes {len(extra)} servers, --vllm-attach has {len(urls) - 2} extra")
-        # n-gram drafting: --vllm-k says what the attached speculative server runs, which places the steps without
-        # drafts (checked against the server's own counts); --vllm-compare says the same of the extra ones
-        hint = speculative_config("ngram", args.vllm_k) if args.vllm_method == "ngram" else None
-        pairs = list(zip(urls[2:], extra or [None] * (len(urls) - 2)))
-        return ModelHost(f"vLLM servers at {', '.join(redact(url) for url in urls)}",
-                         lambda progress: VLLMBackend.attach(*urls[:2], api_key, speculative=hint, extra=pairs))
-    preset = preset_of(args)
-    n = 2 + len(extra)
-    split = tuple(float(x) for x in args.vllm_memory.split(",")) if args.vllm_memory else None
-    if split and len(split) != n:
-        raise SystemExit(f"--vllm-memory needs one share per server ({n}), got {args.vllm_memory!r}")
-    spec = speculative_config(args.vllm_method, args.vllm_k, args.vllm_draft)
-    try:
-        ports = tuple(int(x) for x in args.vllm_ports.split(","))
-    except ValueError:
-        ports = ()
-    if len(ports) != 2 or ports[0] == ports[1]:
-        raise SystemExit(f"--vllm-ports takes two different ports, BASELINE,SPECULATIVE; got {args.vllm_ports!r}")
-
-    def factory(progress):
-        model = str(resolve(args.target or preset.target, progress))  # vLLM needs a model directory
-        return VLLMBackend.managed(model, spec, python=args.vllm_python, memory_split=split, ports=ports,
-                                   on_progress=progress, max_model_len=args.vllm_max_model_len, extra=extra,
-                                   api_key=api_key)
-
-    if has_gpu():
-        placement = "GPU memory " + "/".join(f"{x:.2f}" for x in split or ((0.45, 0.45) if n == 2 else (0.9 / n,) * n))
-    else:  # more servers than cores: VLLMBackend.managed wraps the cores around, and fair mode takes turns
-        cores = os.cpu_count() or 1
-        placement = "one CPU core each" + (f" (cores wrap around: {n} servers on {cores} cores)" if n > cores else "")
-    configs = f"speculative config {spec}" + "".join(f", {c}" for c in extra)
-    return ModelHost(f"vLLM (managed: {placement}), {configs}", factory, "draft")
 
 
 def console(args) -> int:
@@ -500,70 +275,91 @@ def replay(args) -> int:
         return 2
     return 0
 
+COMMANDS = ("console", "demo", "suite", "replay")
+
+
+def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The command line: a subcommand each (console, demo, suite, replay), and the parser of each by name."""
+    from engine import limits
+    from specconsole.suites import EXTERNAL_SUITES
+    from specconsole.workbench import SWEEPS
+
+    p = argparse.ArgumentParser(prog="launch.py", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+
+    c = sub.add_parser("console", prog="launch.py", help="the console in the browser (also without a subcommand)",
+                       description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    c.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    c.add_argument("--port", type=int, default=7860)
+    c.add_argument("--auth-env", default="SPECCONSOLE_AUTH",
+                   help="environment variable holding user:password; required for a non-loopback --host "
+                        "and for --share")
+    c.add_argument("--share", action="store_true",
+                   help="open a public Gradio share link (needs the login of --auth-env; never opened otherwise, "
+                        "whatever GRADIO_SHARE or a hosted notebook says)")
+    add_backend_args(c)
+    add_engine_args(c)
+    c.set_defaults(run=console)
+
+    d = sub.add_parser("demo", help="one prompt on both engines in the terminal",
+                       description="one prompt on both engines in the terminal")
+    add_engine_args(d)
+    add_request_args(d)
+    add_backend_args(d)
+    d.add_argument("--prompt", required=True)
+    d.add_argument("--compare", help="N-way: comma list of speculative configurations, each a method with "
+                                     "optional :k=N (fixed K) or :dynamic, e.g. draft,ngram,draft:k=4 (up to 4)")
+    d.set_defaults(run=demo)
+
+    s = sub.add_parser("suite", help="run prompt suites on both engines",
+                       description="run prompt suites on both engines")
+    add_engine_args(s)
+    add_backend_args(s)
+    s.add_argument("--category", action="append", help="suite from assets/prompts (repeatable; default: all)")
+    s.add_argument("--suite", action="append", choices=sorted(EXTERNAL_SUITES),
+                   help="external suite, read from its pinned PyPI package (repeatable)")
+    s.add_argument("--file", help="your own suite: JSONL or CSV with a prompt column")
+    s.add_argument("--prompts", type=int, default=8,
+                   help="prompts per suite: the first N of a category or file, N sampled from an external suite "
+                        f"(at most {limits.MAX_PROMPTS_PER_SUITE})")
+    s.add_argument("--sample-seed", type=int, default=0, help="seed of the external suites' sample")
+    s.add_argument("--sweep", default="none", choices=sorted(SWEEPS))
+    s.add_argument("--values", help="comma-separated sweep values (default: the sweep's usual ones; at most "
+                                    f"{limits.MAX_SWEEP_VALUES}, concurrency up to {limits.MAX_CONCURRENCY})")
+    s.add_argument("--repeats", type=int, default=1,
+                   help="runs per prompt, interleaved, alternating which engine goes first; 2+ measure the noise "
+                        f"(at most {limits.MAX_REPEATS})")
+    s.add_argument("--mode", default="fair", choices=["fair", "race"])
+    add_request_args(s, suite=True)
+    s.add_argument("--out", default="results.csv", help="per-run CSV (the per-category CSV goes beside it)")
+    s.add_argument("--report", help="also write a self-contained HTML report here")
+    s.set_defaults(run=suite)
+
+    r = sub.add_parser("replay", help="a saved run as a self-contained HTML replay",
+                       description="a saved run as a self-contained HTML replay")
+    r.add_argument("run_id", help="the run's id (History tab)")
+    r.add_argument("--out", required=True, help="the HTML file to write")
+    r.add_argument("--db", default=DEFAULT_DB, help="SQLite history file")
+    r.set_defaults(run=replay)
+    return p, {"console": c, "demo": d, "suite": s, "replay": r}
+
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "suite":
-        from specconsole.suites import EXTERNAL_SUITES
-        from engine import limits
-        from specconsole.workbench import SWEEPS
-
-        p = argparse.ArgumentParser(prog="launch.py suite", description="run prompt suites on both engines")
-        add_engine_args(p)
-        add_backend_args(p)
-        p.add_argument("--category", action="append", help="suite from assets/prompts (repeatable; default: all)")
-        p.add_argument("--suite", action="append", choices=sorted(EXTERNAL_SUITES),
-                       help="external suite, read from its pinned PyPI package (repeatable)")
-        p.add_argument("--file", help="your own suite: JSONL or CSV with a prompt column")
-        p.add_argument("--prompts", type=int, default=8,
-                       help="prompts per suite: the first N of a category or file, N sampled from an external suite "
-                            f"(at most {limits.MAX_PROMPTS_PER_SUITE})")
-        p.add_argument("--sample-seed", type=int, default=0, help="seed of the external suites' sample")
-        p.add_argument("--sweep", default="none", choices=sorted(SWEEPS))
-        p.add_argument("--values", help="comma-separated sweep values (default: the sweep's usual ones; at most "
-                                        f"{limits.MAX_SWEEP_VALUES}, concurrency up to {limits.MAX_CONCURRENCY})")
-        p.add_argument("--repeats", type=int, default=1,
-                       help="runs per prompt, interleaved, alternating which engine goes first; 2+ measure the noise "
-                            f"(at most {limits.MAX_REPEATS})")
-        p.add_argument("--mode", default="fair", choices=["fair", "race"])
-        add_request_args(p, suite=True)
-        p.add_argument("--out", default="results.csv", help="per-run CSV (the per-category CSV goes beside it)")
-        p.add_argument("--report", help="also write a self-contained HTML report here")
-        args, run = p.parse_args(argv[1:]), suite
-    elif argv and argv[0] == "replay":
-        p = argparse.ArgumentParser(prog="launch.py replay", description="a saved run as a self-contained HTML replay")
-        p.add_argument("run_id", help="the run's id (History tab)")
-        p.add_argument("--out", required=True, help="the HTML file to write")
-        p.add_argument("--db", default=DEFAULT_DB, help="SQLite history file")
-        args, run = p.parse_args(argv[1:]), replay
-    elif argv and argv[0] == "demo":
-        p = argparse.ArgumentParser(prog="launch.py demo", description="one prompt on both engines in the terminal")
-        add_engine_args(p)
-        add_request_args(p)
-        add_backend_args(p)
-        p.add_argument("--prompt", required=True)
-        p.add_argument("--compare", help="N-way: comma list of speculative configurations, each a method with "
-                                         "optional :k=N (fixed K) or :dynamic, e.g. draft,ngram,draft:k=4 (up to 4)")
-        args, run = p.parse_args(argv[1:]), demo
-    else:
-        p = argparse.ArgumentParser(prog="launch.py", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-        p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-        p.add_argument("--port", type=int, default=7860)
-        p.add_argument("--auth-env", default="SPECCONSOLE_AUTH",
-                       help="environment variable holding user:password; required for a non-loopback --host "
-                            "and for --share")
-        p.add_argument("--share", action="store_true",
-                       help="open a public Gradio share link (needs the login of --auth-env; never opened otherwise, "
-                            "whatever GRADIO_SHARE or a hosted notebook says)")
-        add_backend_args(p)
-        add_engine_args(p)
-        args, run = p.parse_args(argv), console
+    if not argv or argv[0] not in COMMANDS:  # options alone (or none, or --help): the console's
+        argv = ["console", *argv]
+    p, commands = parsers()
+    args, unknown = p.parse_known_args(argv)
+    if unknown:  # said by the subcommand's parser, with its usage, as when it parses alone
+        commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     from engine.models import ModelError
     from engine.sampling import SettingsError
+    from engine.setup import setup
 
+    setup()  # process-wide settings (warning filters, httpx log redaction, the rowwise attention): engine.setup
     try:
-        return run(args)
+        return args.run(args)
     except (ModelError, SettingsError) as e:
         log.error("%s", e)
         return 2

@@ -1,5 +1,5 @@
 // A token panel that grows in place. The server sends one small JSON message per update (props.value):
-//   {run, start, tokens: [span html...], total, status, error, reset, final_html}
+//   {run, start, tokens: [span html...], total, status, error, reset, final_html, ack}
 // New token spans are appended; spans already shown are never re-created. `reset` (a re-classification) and a
 // missed message (start beyond what is shown, repaired by the last message's final_html) re-render once.
 const root = element.querySelector('.live-panel');
@@ -32,6 +32,12 @@ function apply() {
   if (m.start + m.tokens.length > 0) box.scrollTop = box.scrollHeight;
   root.dataset.run = m.run;  // lets a test or benchmark see which run the panel shows, and whether it ended
   root.dataset.final = m.final_html !== undefined ? 'yes' : 'no';
+  // `ack`: the next timed pass waits until this update is drawn (specconsole/page_drawn.py). A frame callback
+  // runs before the next paint; a task queued from it runs after that paint.
+  if (m.ack !== undefined) {
+    const word = m.run + ':' + m.ack;
+    requestAnimationFrame(() => setTimeout(() => server.page_drawn(word), 0));
+  }
 }
 
 fresh();

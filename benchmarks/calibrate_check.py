@@ -26,6 +26,7 @@ from engine.request import Request
 from engine.check import ABSURD_NLL, MIN_TOKENS, Z_MIN, copy_fraction, nll_margin, nll_stats, verdict, z_score
 from engine.events import RunResult
 from engine.sampling import SamplingParams
+from engine.setup import setup
 from specconsole.suites import categories, load_suite
 
 log = logging.getLogger("benchmarks.calibrate_check")
@@ -87,6 +88,7 @@ def report(pairs: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup()
     p = argparse.ArgumentParser(prog="python -m benchmarks.calibrate_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="smollm2-ngram")

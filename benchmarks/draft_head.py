@@ -3,7 +3,7 @@
     python -m benchmarks.draft_head                      # the default draft: Qwen2.5-Coder-0.5B, int8
     python -m benchmarks.draft_head --sizes 8192 32768 --steps 100
 
-Loads the draft once. Timing: a warm KV cache of --context tokens (the start of engine/drafters.py: code and
+Loads the draft once. Timing: a warm KV cache of --context tokens (the start of engine/proposers.py: code and
 English), then one token per step, the cache cropped back after each; the configurations take turns step by step,
 so that a drift in the machine's speed favours none. Coverage: the draft's own greedy continuations of the first
 prompt of a few in-repo suites (not HumanEval / MT-Bench), full layer; per position the share of the draft's
@@ -23,7 +23,9 @@ import torch
 
 from benchmarks.timing import code_context, forward_ms_in_turns
 from engine.forward import forward, new_cache
-from engine.models import encode_prompt, load
+from engine.models import load
+from engine.prompts import encode_prompt
+from engine.setup import setup
 from engine.vocab import kept_ids, prune_head, token_ranking
 
 log = logging.getLogger("draft_head")
@@ -59,6 +61,7 @@ def coverage(model, tokenizer, prompts: list[str], kept: dict[int, torch.Tensor]
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    setup()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--draft", default=DRAFT, help="draft model (a known name, a directory or a .gguf file)")
     p.add_argument("--sizes", type=int, nargs="+", default=[16384, 32768, 65536], help="kept vocabulary sizes N")

@@ -50,6 +50,12 @@ def child(preset_name: str) -> None:
             done.wait(0.1)
 
     threading.Thread(target=sample, daemon=True).start()
+    try:
+        from engine.setup import setup
+    except ImportError:  # a checkout (--code) from before engine.setup: importing its engine made the settings
+        pass
+    else:
+        setup()
     from engine.local_backend import LocalBackend
     from engine.request import Request
 
@@ -120,7 +126,7 @@ def console_start(preset: str, cache: Path, code: Path) -> float:
 
 def preset_files(preset: str, cache: Path) -> dict[str, int]:
     """Bytes on disk per kind of file the preset uses (hard links counted once per path, as du would)."""
-    from engine.models import PRESETS
+    from engine.presets import PRESETS
     from engine.weights import SOURCES
 
     p = PRESETS[preset]
@@ -163,7 +169,7 @@ def main() -> None:
     log.info("code: %s; cache: %s", args.code, cache)
     runs = {}
     if args.cold:
-        from engine.models import PRESETS
+        from engine.presets import PRESETS
 
         p = PRESETS[args.preset]
         with tempfile.TemporaryDirectory(dir=cache, prefix="cold-") as scratch:

@@ -36,8 +36,9 @@ from benchmarks.speed import (NOISE_WARNING, _cell, _median, add_sample_args, de
 from engine.llamacpp_backend import LlamaCppBackend
 from engine.llamacpp_server import DRAFT_MODEL_METHODS, EngineConfig, LlamaCppError, parse_method
 from engine.metrics import compare
-from engine.models import PRESETS
+from engine.presets import PRESETS
 from engine.request import Request
+from engine.setup import setup
 from engine.vllm_backend import MAX_EXTRA, extra_engine
 from engine.weights import gguf_model
 
@@ -155,6 +156,7 @@ def divergences(prompts: list[dict], plan, spec_engines: list[str], labels: dict
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the progress
+    setup()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", default="qwen-coder", choices=sorted(PRESETS))
     add_sample_args(p)

@@ -24,9 +24,10 @@ from tqdm import tqdm
 
 from benchmarks.speed import add_sample_args, describe_prompts, machine, run_engine, sample_plan, with_ci
 from engine.local_backend import LocalBackend
-from engine.models import DEFAULT_PRESET, PRESETS
 from engine.optimize import MIN_ROWS, PackedLinear
+from engine.presets import DEFAULT_PRESET, PRESETS
 from engine.request import build_request
+from engine.setup import setup
 
 log = logging.getLogger("benchmarks.padding")
 
@@ -85,6 +86,7 @@ def compare(backend: LocalBackend, requests: list, paddings: tuple[int, ...] = (
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    setup()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_sample_args(p)
     args = p.parse_args(argv)

@@ -2,6 +2,8 @@
 
     python -m benchmarks.page [--preset qwen-coder] [--runs 5] [--max-new-tokens 32]
     python -m benchmarks.page --backend llamacpp [--llamacpp-method ngram-simple ...]   llama.cpp engines
+    python -m benchmarks.page --compare "n-gram,hybrid"      an N-way run (here 3 engines), presets of the page
+    python -m benchmarks.page --presenter                    the page in presenter view (?view=present)
 
 Options this script does not know (--llamacpp-method, --llamacpp-threads, --target, ...) go to launch.py, so that
 both phases build the same backend the same way (launch.backend_host).
@@ -33,13 +35,15 @@ from pathlib import Path
 
 import psutil
 
+from engine.setup import setup
+
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
 PROMPT = "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring."
 log = logging.getLogger("benchmarks.page")
 # assets/live_panel.js marks each panel with the run it shows and whether that run's last message came
 LAST_RUN = "document.querySelector('#baseline-panel .live-panel').dataset.run || ''"
-RUN_ENDED = """before => ['#baseline-panel', '#speculative-panel'].every(id => {
+RUN_ENDED = """([before, ids]) => ids.every(id => {
     const panel = document.querySelector(id + ' .live-panel');
     return panel.dataset.run !== before && panel.dataset.final === 'yes';
 })"""
@@ -105,13 +109,18 @@ def page_phase(args) -> list[dict]:
                 box = page.locator(f"{selector} input[type=number]")
                 box.fill(value)
                 box.press("Enter")
+            for name in args.compare:
+                page.locator("#compare-with label", has_text=name).click()
+            panels = [f"#{e}-panel" for e in engines(args)]
+            if args.presenter:
+                page.click("#present-toggle")
             console_proc = psutil.Process(console.pid)
             for i in range(args.runs + 1):  # the first run is a warm-up
                 browser_procs = browser_processes(console.pid)
                 before = page.evaluate(LAST_RUN)
                 b0, c0, t0 = cpu_seconds(browser_procs), cpu_seconds([console_proc]), time.perf_counter()
-                page.click("#run")
-                page.wait_for_function(RUN_ENDED, arg=before, timeout=600_000)
+                page.locator("body").press("Enter") if args.presenter else page.click("#run")
+                page.wait_for_function(RUN_ENDED, arg=[before, panels], timeout=600_000)
                 wall = time.perf_counter() - t0
                 b1, c1 = cpu_seconds(browser_processes(console.pid)), cpu_seconds([console_proc])
                 row = _latest_run(db)
@@ -142,6 +151,12 @@ def _latest_run(db: Path) -> dict:
             "noisy": row["noisy"], "page_cores": machine.get("page_cores"), "other_cores": machine.get("other_cores")}
 
 
+def engines(args) -> list[str]:
+    from engine.backend import extra_engine
+
+    return ["baseline", "speculative", *(extra_engine(i) for i in range(len(args.compare)))]
+
+
 def launch_args(args) -> list[str]:
     """The console's command line: the preset, the backend and the options launch.py takes for them."""
     return ["--preset", args.preset, "--backend", args.backend, *args.launch]
@@ -150,6 +165,7 @@ def launch_args(args) -> list[str]:
 def api_phase(args) -> list[dict]:
     import launch
     from engine.request import build_request
+    from specconsole.variants import from_presets
 
     p = argparse.ArgumentParser(prog="launch.py")
     launch.add_engine_args(p)
@@ -158,18 +174,18 @@ def api_phase(args) -> list[dict]:
     try:
         if not host.wait():
             raise RuntimeError(f"the API phase's backend did not load: {host.status()}")
-        return _api_runs(args, host.backend, build_request(PROMPT, max_new_tokens=args.max_new_tokens,
-                                                           method=host.method))  # the page's defaults
+        req = build_request(PROMPT, max_new_tokens=args.max_new_tokens, method=host.method)  # the page's defaults
+        return _api_runs(args, host.backend, req, from_presets(req, args.compare))
     finally:
         host.close()
 
 
-def _api_runs(args, backend, req) -> list[dict]:
+def _api_runs(args, backend, req, extra) -> list[dict]:
     from specconsole.runner import Comparison
 
     runs = []
     for i in range(args.runs + 1):
-        comp = Comparison(backend, req, "fair", None, {})
+        comp = Comparison(backend, req, "fair", None, {}, extra=extra)
         comp.start()
         while not comp.poll(0.2):
             pass
@@ -185,13 +201,17 @@ def _api_runs(args, backend, req) -> list[dict]:
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    setup()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", default="qwen-coder")
     p.add_argument("--backend", default="local", choices=["local", "llamacpp"])
     p.add_argument("--runs", type=int, default=5, help="measured runs per phase (after one warm-up each)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--load-timeout", type=int, default=900, help="seconds to wait for the models in the page")
+    p.add_argument("--compare", default="", help="an N-way run: the page's \"Compare with\" presets, comma-separated")
+    p.add_argument("--presenter", action="store_true", help="run in the presenter view (Enter runs)")
     args, rest = p.parse_known_args(argv)
+    args.compare = [n.strip() for n in args.compare.split(",") if n.strip()]
     args.launch = rest  # launch.py's own options
     if not os.path.exists(CHROMIUM):
         log.error("needs Debian's chromium at %s (bash .ci/setup test installs it)", CHROMIUM)
@@ -201,7 +221,9 @@ def main(argv=None) -> int:
     api = api_phase(args)
     med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
     out = sys.stdout
-    out.write(f"\npage cost: {args.backend} backend, preset {' '.join([args.preset, *args.launch])}, "
+    view = (f"{len(engines(args))} engines (+ {', '.join(args.compare)}), " if args.compare else "") + (
+        "presenter view, " if args.presenter else "")
+    out.write(f"\npage cost: {args.backend} backend, preset {' '.join([args.preset, *args.launch])}, {view}"
               f"{args.max_new_tokens} new tokens, greedy, fair mode, medians of "
               f"{args.runs} runs per phase after a warm-up; machine: {machine()}; {time.strftime('%Y-%m-%d')}\n")
     out.write("| figure | page | API | page / API |\n| --- | --- | --- | --- |\n")

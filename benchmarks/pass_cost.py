@@ -5,7 +5,7 @@ verify), the curve that the per-token draft stop reads (engine.policy: verify(m)
     python -m benchmarks.pass_cost --sizes 1 2 3 4 8 17 --rounds 20
     python -m benchmarks.pass_cost --min-rows 5 1         # padded to 5 rows (the engines' default) and unpadded
 
-Loads the target once, as the engine does. A warm KV cache of --context tokens (the start of engine/drafters.py),
+Loads the target once, as the engine does. A warm KV cache of --context tokens (the start of engine/proposers.py),
 then one pass of m tokens, the cache cropped back after it; the sizes take turns round by round, so that a drift in
 the machine's speed favours none. Prints the median ms per m and its ratio to a plain step (m = 1). With several
 --min-rows, each m is also timed with the target's short passes padded to each of them (engine.optimize.MIN_ROWS),
@@ -25,6 +25,7 @@ from benchmarks.timing import code_context, forward_ms_in_turns
 from engine.forward import forward
 from engine.models import load
 from engine.optimize import MIN_ROWS, PackedLinear
+from engine.setup import setup
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
 
@@ -57,6 +58,7 @@ def padded_pass_ms(model, context: list[int], sizes: list[int], paddings: list[i
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    setup()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", default=TARGET, help="target model (a known name, a directory or a .gguf file)")
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8, 10, 12, 17],

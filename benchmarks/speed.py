@@ -37,8 +37,10 @@ from engine.local_backend import LocalBackend
 from engine.request import METHODS, Request
 from engine.events import RunResult
 from engine.metrics import compare, first_divergence
-from engine.models import PRESETS, encode_prompt
+from engine.presets import PRESETS
+from engine.prompts import encode_prompt
 from engine.optimize import MIN_ROWS
+from engine.setup import setup
 from engine.stats import bootstrap_ci
 from specconsole.suites import EXTERNAL_SUITES, SuitePrompt, categories, load_external, load_suite
 
@@ -333,6 +335,7 @@ def plan_prompts(args) -> list[tuple[str, SuitePrompt]]:
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    setup()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", default="qwen-coder", choices=sorted(PRESETS))
     p.add_argument("--suite", action="append", choices=sorted(EXTERNAL_SUITES) + ["ours"],

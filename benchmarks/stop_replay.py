@@ -37,14 +37,16 @@ from tqdm import tqdm
 from benchmarks.pass_cost import pass_ms
 from benchmarks.speed import add_sample_args, describe_prompts, machine, sample_plan, with_ci
 from benchmarks.timing import code_context
-from engine.drafters import DraftModelProposer, NgramProposer
+from engine.proposers import DraftModelProposer, NgramProposer
 from engine.events import StepRecord
 from engine.local import generate_baseline
 from engine.local_backend import LocalBackend
-from engine.models import DEFAULT_PRESET, PRESETS, encode_prompt
 from engine.policy import SpecPolicy
+from engine.presets import DEFAULT_PRESET, PRESETS
+from engine.prompts import encode_prompt
 from engine.request import DEFAULT_DRAFT_CONFIDENCE, build_request
 from engine.sampling import SamplingParams
+from engine.setup import setup
 from engine.stops import StopConditions
 
 log = logging.getLogger("benchmarks.stop_replay")
@@ -170,6 +172,7 @@ RULES = {"hf": lambda curve: floor_drafts, "ours": lambda curve: Ours(curve, kno
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    setup()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_sample_args(p)
     p.add_argument("--rounds", type=int, default=5, help="timed target passes per length m for verify(m)")

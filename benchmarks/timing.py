@@ -10,8 +10,8 @@ from engine.forward import forward, new_cache, rollback
 
 
 def code_context(tokenizer, n: int) -> list[int]:
-    """The first n tokens of engine/drafters.py (code, comments and English docstrings)."""
-    source = (Path(__file__).resolve().parent.parent / "engine" / "drafters.py").read_text()
+    """The first n tokens of engine/proposers.py (code, comments and English docstrings)."""
+    source = (Path(__file__).resolve().parent.parent / "engine" / "proposers.py").read_text()
     return tokenizer(source, add_special_tokens=False)["input_ids"][:n]
 
 

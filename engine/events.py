@@ -1,27 +1,17 @@
 """The one event vocabulary that flows from the engines to the pixels and to the database.
 
-Terms follow Leviathan et al. and vLLM's rejection sampler. In one speculation step the draft proposes K tokens and
-the target scores them all in a single forward pass:
+Token kinds: accepted, rejected, recovered and bonus tokens, and which of them are output tokens, are defined once, in
+engine.sampling (where verification decides them; the terms follow Leviathan et al. and vLLM's rejection sampler).
+Two kinds more:
 
-    accepted   a draft token the target kept.
-    rejected   a draft token the target refused, and every draft token after it; never part of the output.
-    recovered  the target's own token at the first rejected position (sampled from norm(max(0, p - q))).
-    bonus      the target's extra token after all K drafts were kept (sampled from p).
     baseline   a token from plain decoding: one target forward pass, one token, no draft involved (the
                baseline engine, the prefill's token when step 0 had no drafts, and steps where speculation is
-               switched off).
+               switched off). An output token too.
     pending    a token streamed by a server that tells the kinds only when the request ends (vLLM): a
                Reclassified event then gives its kind, or it stays pending if the server never says.
 
 A vLLM token may also stream with a *provisional* kind (TokenEvent.provisional): a guess from how the server split
 its stream into chunks, shown as such until the Reclassified event confirms or corrects it.
-
-Output tokens are accepted + recovered/bonus (or baseline) tokens, in order. A step therefore commits between
-1 and K+1 tokens.
-
-With a token tree (greedy, engine.local) the pass also verifies the draft's alternatives for one position. When the
-target refuses the chain there and its own token is one of them, the drafts from there on are rejected, the
-alternative is accepted at that position, and the target's token after it is the bonus.
 """
 
 from __future__ import annotations

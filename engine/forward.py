@@ -2,8 +2,34 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers import DynamicCache
+
+
+@dataclass(frozen=True)
+class PassLayout:
+    """How the rows of one target pass are laid out, where that is not one run of consecutive tokens. `forward`
+    makes it from its arguments and hands it to the model as the one keyword `pass_layout`; transformers passes it
+    on to the attention function, engine.optimize.rowwise_attention, its only reader (other attention functions
+    ignore it). The default is a plain pass.
+
+    prompt_rows  the first pass reads the prompt and the first drafts together: its first `prompt_rows` rows are the
+                 prompt (attended as the prefill's), the rest as decoding steps at their positions; None: no prompt
+    alt_rows     a token tree (engine.tree): the last `alt_rows` rows are alternatives to pass row `alt_at`, each read
+                 at that row's position as if it stood there instead; 0: no tree
+    """
+
+    prompt_rows: int | None = None
+    alt_rows: int = 0
+    alt_at: int = 1
+
+    def positions(self, start: int, rows: int) -> list[int]:
+        """Position ids of a pass of `rows` rows after `start` cached ones: consecutive, the alternatives' all that of
+        row alt_at."""
+        chain = rows - self.alt_rows
+        return list(range(start, start + chain)) + [start + self.alt_at] * self.alt_rows
 
 
 def new_cache(model) -> DynamicCache:
@@ -32,17 +58,16 @@ def forward(model, ids: list[int], cache: DynamicCache, keep: int, head=None, pr
     """Feed `ids` after what the cache holds; return the logits of the last `keep` positions, [keep, V] float32.
     `head` (a draft's engine.vocab.PrunedHead) replaces the model's output layer: [keep, N], and the full layer
     never runs. `prompt_rows`: the first pass reads the prompt and drafts after it; the prompt is its first
-    `prompt_rows` ids (the target's rowwise attention then treats the two parts as their own passes would).
-    `tree`: the last `tree` ids are alternatives to ids[tree_at] (a token tree with one branching): each is read at
-    that position, seeing the cache, ids[:tree_at] and itself, as if it stood there instead of ids[tree_at]."""
+    `prompt_rows` ids. `tree`: the last `tree` ids are a token tree's alternatives to ids[tree_at] (engine.tree).
+    Both go to the target's attention as a PassLayout (the prompt_rows, alt_rows and alt_at it describes)."""
     x = torch.tensor([ids], dtype=torch.long, device=model.device)  # [1, T]
     if head is not None:
         hidden = model.model(input_ids=x, cache=cache, use_cache=True).last_hidden_state  # [1, T, H], normed
         return head(hidden[0, -keep:]).float()
-    extra = {} if prompt_rows is None else {"prompt_rows": prompt_rows}
+    layout = PassLayout(prompt_rows, tree, tree_at)
+    extra = {}
     if tree:
-        start, chain = cache.get_seq_length(), len(ids) - tree
-        positions = list(range(start, start + chain)) + [start + tree_at] * tree
-        extra.update(position_ids=torch.tensor([positions], device=model.device), tree_rows=tree, tree_at=tree_at)
-    out = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=keep, **extra)
+        positions = layout.positions(cache.get_seq_length(), len(ids))
+        extra["position_ids"] = torch.tensor([positions], device=model.device)  # [1, T]
+    out = model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=keep, pass_layout=layout, **extra)
     return out.logits[0, -keep:].float()

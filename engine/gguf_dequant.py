@@ -9,14 +9,8 @@ the temporaries stay small. Block layouts are ggml's (ggml-common.h); types we d
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import torch
-
-# torch warns on tensors over read-only arrays (a mapped GGUF file): ours are only read. Set once at import, not
-# with catch_warnings around each call, which is not thread-safe (draft and target load at the same time).
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
 QK_K = 256  # values per k-quant super-block
 CHUNK_BLOCKS = 1 << 14  # blocks dequantized at a time: bounds the temporaries to a few MB

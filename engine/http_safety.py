@@ -53,8 +53,9 @@ def endpoint(base: str, path: str) -> str:
     return str(url.copy_with(path=url.path.rstrip("/") + path))
 
 
-class _RedactURLs(logging.Filter):
-    """httpx logs every request's URL at INFO; the credentials in it must not reach the console's log."""
+class RedactURLs(logging.Filter):
+    """httpx logs every request's URL at INFO; the credentials in it must not reach the console's log (engine.setup
+    adds it to httpx's logger)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):
@@ -62,10 +63,6 @@ class _RedactURLs(logging.Filter):
         if isinstance(record.msg, str):
             record.msg = redact(record.msg)
         return True
-
-
-if not any(isinstance(f, _RedactURLs) for f in logging.getLogger("httpx").filters):
-    logging.getLogger("httpx").addFilter(_RedactURLs())
 
 
 # --- bounded reading -------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 
 from engine.http_safety import fetch, number
-from engine.models import chat_messages
+from engine.prompts import chat_messages
 from engine.request import Request
 from engine.vllm_client import Chunk, StreamError, StreamedToken
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.guarded_process import GuardedProcess, healthy, server_env
+from engine.methods import parse_spec
 from engine.vllm_server import VLLMError
 
 log = logging.getLogger(__name__)
@@ -105,21 +106,19 @@ class EngineConfig:
 
 def parse_method(spec: str, base: EngineConfig) -> EngineConfig:
     """`ngram-simple:k=4:n=3` or `draft:k=2:p_min=0.6` -> base with that method and settings (--llamacpp-compare)."""
-    method, *options = spec.strip().split(":")
-    if method not in METHODS:
-        raise LlamaCppError(f"unknown llama.cpp method {method!r}; methods: {', '.join(METHODS)}")
-    changes: dict = {"method": method}
-    names = {"k": ("k", int), "n_min": ("n_min", int), "p_min": ("p_min", float), "n": ("ngram_n", int)}
-    for option in options:
+    parsed = parse_spec(spec)
+    if parsed.method not in METHODS:
+        raise LlamaCppError(f"unknown llama.cpp method {parsed.method!r}; methods: {', '.join(METHODS)}")
+    fields = {"k": "k", "n_min": "n_min", "p_min": "p_min", "n": "ngram_n"}
+
+    def bad(option: str, _text: str) -> LlamaCppError:
         key, _, value = option.partition("=")
-        if key not in names or not value:
-            raise LlamaCppError(f"{spec!r}: options are k=N, n_min=N, p_min=X and n=N (the n-gram length)")
-        field, kind = names[key]
-        try:
-            changes[field] = kind(value)
-        except ValueError:
-            raise LlamaCppError(f"{spec!r}: {key} must be a number, got {value!r}") from None
-    return replace(base, **changes)
+        if key in fields and value:
+            return LlamaCppError(f"{spec!r}: {key} must be a number, got {value!r}")
+        return LlamaCppError(f"{spec!r}: options are k=N, n_min=N, p_min=X and n=N (the n-gram length)")
+
+    options = parsed.values({"k": int, "n_min": int, "p_min": float, "n": int}, bad)
+    return replace(base, method=parsed.method, **{fields[key]: value for key, value in options})
 
 
 # --- the build's option names ----------------------------------------------------------------------------------------

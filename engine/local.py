@@ -10,17 +10,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Iterator
+from dataclasses import dataclass
+from typing import Callable, Generator, Iterator
 
 import torch
 
-from engine.drafters import Proposal
 from engine.events import Event, RunResult, StepRecord, TokenEvent, TokenKind
-from engine.forward import forward, move_position, new_cache, rollback
+from engine.forward import forward, new_cache, rollback
 from engine.metrics import run_metrics
 from engine.policy import SpecPolicy
+from engine.proposers import Proposal
 from engine.sampling import SamplingParams, next_token, rejection_sample, verify_greedy, warp
 from engine.stops import Detokenizer, StopConditions, Transcript
+from engine.tree import Tree
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +36,7 @@ class _Recorder:
         self.result = RunResult(engine=engine, method=method, prompt_tokens=len(prompt_ids))
         self.transcript = Transcript(Detokenizer(tokenizer), stops)
         self.prompt_ids = prompt_ids
-        self.rejected = [None, [], ""]  # this step's rejected drafts: [step, their ids, the text they read as]
+        self.rejected_step, self.rejected = None, None  # the step whose drafts `rejected` reads on from its text
 
     def now(self) -> float:
         return self.clock() - self.t0
@@ -55,20 +57,14 @@ class _Recorder:
         return event
 
     def reject(self, token, step, position, p=None, q=None) -> TokenEvent:
-        # A rejected draft reads on from the committed text and the drafts rejected before it in this step: decoded
-        # alone, a token that holds part of a multi-byte character would show as U+FFFD.
-        detok = self.transcript.detok
-        if self.rejected[0] != step:
-            self.rejected = [step, [], detok.text]
-        drafts, shown = self.rejected[1], self.rejected[2]
-        drafts.append(token)
-        full = detok.tokenizer.decode(detok.ids + drafts, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        if full.endswith("\ufffd"):
-            text = ""  # an incomplete character, like a commit's: a later rejected draft shows it whole
-        elif full.startswith(shown) and len(full) > len(shown):
-            text, self.rejected[2] = full[len(shown):], full
-        else:  # a special token (no text in the output): its own text
-            text = detok.tokenizer.decode([token], skip_special_tokens=False)
+        # A rejected draft reads on from the committed text and the drafts rejected before it in this step (decoded
+        # alone, part of a multi-byte character would show as U+FFFD); a special token, which has no text in the
+        # output, shows its own.
+        if self.rejected_step != step:
+            self.rejected_step, self.rejected = step, self.transcript.detok.fork()
+        text = self.rejected.push(token)
+        if not text and not self.rejected.incomplete:
+            text = self.rejected.tokenizer.decode([token], skip_special_tokens=False)
         event = TokenEvent(TokenKind.REJECTED, token, text, step, position, self.now(), None, p, q)
         self.result.tokens.append(event)
         return event
@@ -123,7 +119,7 @@ def generate_baseline(
             token, p = next_token(logits[-1], params, g)
             yield run.commit(TokenKind.BASELINE, token, step, 0, p=None if params.greedy else p)
             yield run.step(step, 0, 0, 1, 0.0, ms)
-            if run.done or (cancel is not None and cancel.is_set()):
+            if run.done or _cancelled(cancel):
                 break
             t = time.perf_counter()
             logits = forward(model, [token], cache, keep=1)
@@ -133,7 +129,10 @@ def generate_baseline(
         log.exception("baseline run failed")
         yield run.finish(error=e)
         return
-    yield run.finish(cancelled=cancel is not None and cancel.is_set())
+    yield run.finish(cancelled=_cancelled(cancel))
+
+
+# --- speculative decoding: each step is draft -> verify -> accept -> commit, one plain function each ------------
 
 
 def generate_speculative(
@@ -141,84 +140,31 @@ def generate_speculative(
     policy: SpecPolicy, cancel: threading.Event | None = None, clock: Callable[[], float] = time.perf_counter,
     tree_rows: int = 0,
 ) -> Iterator[Event]:
-    """Speculative decoding: the proposer drafts K tokens, the target verifies them in one forward pass and
-    commits the accepted prefix plus one token of its own.
+    """Speculative decoding: each step the proposer drafts K tokens, the target verifies them in one forward pass,
+    and the step commits the accepted drafts and one token of the target's own (the terms: engine.sampling).
 
-    Step 0 drafts from the prompt alone, and the target reads the prompt and those drafts in one pass (its prefill);
-    a request then costs no target pass more than its steps. (With K = 0 step 0 is the baseline's prefill.)
-
-    Greedy, a pass of fewer than `tree_rows` tokens (one that costs as much as `tree_rows`: engine.optimize pads it)
-    fills its free rows with the draft's alternatives for the draft position where it was least sure (a token tree
-    with one branching). When the target refuses the chain exactly there but its own token is one of the
-    alternatives, that alternative is accepted and its row already holds the target's next token (the bonus): one
-    token more than the chain alone commits."""
+    Step 0 drafts from the prompt alone, and the target reads the prompt and those drafts in one pass (its prefill):
+    a request costs no target pass more than its steps. A step with K = 0 (nothing drafted, or speculation switched
+    off by the policy) is a plain decoding step. `tree_rows`: greedy passes of fewer rows also verify a token tree in
+    their free rows (engine.tree); 0: never."""
     run = _Recorder("speculative", proposer.method, tokenizer, prompt_ids, stops, clock)
     try:
         g = _generator(params, model.device)
-        if hasattr(proposer, "generator"):
-            proposer.generator = g  # one seeded stream for draft and target: a seed reproduces the run
+        proposer.generator = g  # one seeded stream for draft and target: a seed reproduces the run
         cache = new_cache(model)
         step = 0
-        while not run.done and not (cancel is not None and cancel.is_set()):
+        while not run.done and not _cancelled(cancel):
             ids = run.ids
             read = cache.get_seq_length()  # the target has read all committed ids but the last (at step 0: none)
             k = min(policy.next_k(), run.transcript.remaining - 1)  # a step commits up to k+1: never overshoot
-            t = time.perf_counter()
-            proposal = proposer.propose(ids, k, policy.draft_stop()) if k > 0 else Proposal([], None)
-            drafts = proposal.ids[:k]
-            K = len(drafts)
-            # the token tree: after step 0 (whose pass is the prompt's), greedy, in the rows the pass has free
-            at = proposal.branch_at  # the draft the alternatives stand in for
-            alts = proposal.alternatives[: max(0, tree_rows - K - 1)] if at < K and read and params.greedy else []
-            draft_ms = _ms_since(t)
-
-            t = time.perf_counter()
-            # [K+1+A, V]: the logits after the last committed id, after each draft and after each alternative. At
-            # step 0 the prompt's rows are computed as the baseline's prefill computes them, so that the caches agree.
-            logits = forward(model, ids[read:] + drafts + alts, cache, keep=K + 1 + len(alts),
-                             prompt_rows=len(ids) if read == 0 else None, tree=len(alts), tree_at=at + 1)
-            verify_ms = _ms_since(t)
+            draft = _draft(proposer, ids, k, policy, params, tree_rows, prompt_pass=read == 0)
+            logits, verify_ms = _verify(model, cache, ids, read, draft)
             if step == 0:
                 run.result.prefill_ms = verify_ms
-
-            p_all = None if params.greedy else warp(logits, params)  # [K+1, V] (a tree is greedy only)
-            d = torch.tensor(drafts, dtype=torch.long, device=logits.device)  # [K]
-            branch = None  # the accepted alternative's index, if the tree's branch won
-            if K == 0:
-                n, token = 0, next_token(logits[-1], params, g)[0]
-            elif params.greedy:
-                n, token = verify_greedy(d, logits[: K + 1])
-                if n == at and token in alts:  # refused where the alternatives branch off, and one of them is it
-                    branch = alts.index(token)
-                    n, token = at + 1, int(logits[K + 1 + branch].argmax())
-                    move_position(cache, len(ids) + K + branch, len(ids) + at)  # its keys replace the refused draft's
-            else:
-                n, token = rejection_sample(d, proposal.probs, p_all, g)
-            rollback(cache, len(ids) + n)  # keep the committed tokens; the new token is fed next step
-            accepted = drafts[:n] if branch is None else drafts[:at] + [alts[branch]]
-
-            def prob(dist, pos, tok):
-                return None if dist is None else float(dist[pos, tok])
-
-            emitted = 0
-            for i in range(n):
-                if i == at and branch is not None:  # the chain was refused from here on; the alternative replaces it
-                    for r in range(at, K):
-                        yield run.reject(drafts[r], step, r)
-                q = 1.0 if proposal.probs is None and p_all is not None else prob(proposal.probs, i, accepted[i])
-                yield run.commit(TokenKind.ACCEPTED, accepted[i], step, i, prob(p_all, i, accepted[i]), q)
-                emitted += 1
-                if run.done:
-                    break
-            if not run.done:
-                for i in range(n, K) if branch is None else ():
-                    yield run.reject(drafts[i], step, i, prob(p_all, i, drafts[i]), prob(proposal.probs, i, drafts[i]))
-                # after a branch accepted whole (the chain, or an alternative), the target's token is the bonus
-                kind = TokenKind.BONUS if n == K or branch is not None else TokenKind.RECOVERED
-                kind = TokenKind.BASELINE if K == 0 else kind
-                yield run.commit(kind, token, step, n, prob(p_all, n, token))
-                emitted += 1
-            record = run.step(step, K, n, emitted, draft_ms, verify_ms, proposal.drafter if K else "")
+            verdict = _accept(draft, logits, params, g, cache, len(ids))
+            emitted = yield from _commit(run, step, draft, verdict)
+            record = run.step(step, len(draft.ids), len(verdict.accepted), emitted, draft.ms, verify_ms,
+                              draft.drafter)
             yield record
             for event in policy.observe(record):
                 run.result.policy.append(event)
@@ -228,7 +174,100 @@ def generate_speculative(
         log.exception("speculative run failed")
         yield run.finish(error=e)
         return
-    yield run.finish(cancelled=cancel is not None and cancel.is_set())
+    yield run.finish(cancelled=_cancelled(cancel))
+
+
+@dataclass
+class _Draft:
+    """What the draft phase hands to the target."""
+
+    ids: list[int]  # [K] the drafts
+    probs: torch.Tensor | None  # q [K, V], the draft's warped distributions; None: greedy, or a deterministic drafter
+    tree: Tree  # a token tree's alternatives to one of the drafts (engine.tree); most steps have none
+    drafter: str  # who drafted ("" when K = 0)
+    ms: float
+
+
+@dataclass
+class _Verdict:
+    """What the accept phase decided: the step's output is `accepted` + [token]."""
+
+    accepted: list[int]  # [n] the accepted drafts (after a tree's win: its alternative last)
+    refused_from: int  # the first rejected draft: drafts[refused_from:] are rejected (K: none)
+    token: int  # the target's own token at position n
+    kind: TokenKind  # its kind: recovered, bonus, or baseline (K = 0)
+    p: torch.Tensor | None  # [K+1, V] the target's warped distributions; None: greedy
+
+
+def _draft(proposer, ids: list[int], k: int, policy: SpecPolicy, params: SamplingParams, tree_rows: int,
+           prompt_pass: bool) -> _Draft:
+    """Up to k drafts continuing `ids`, and the alternatives the pass will verify with them."""
+    t = time.perf_counter()
+    proposal = proposer.propose(ids, k, policy.draft_stop()) if k > 0 else Proposal([], None)
+    drafts = proposal.ids[:k]
+    tree = Tree.plan(proposal, len(drafts), tree_rows, params.greedy, prompt_pass)
+    return _Draft(drafts, proposal.probs, tree, proposal.drafter if drafts else "", _ms_since(t))
+
+
+def _verify(model, cache, ids: list[int], read: int, draft: _Draft) -> tuple[torch.Tensor, float]:
+    """One target pass over the ids it has not read (the last committed one; at step 0 the prompt), the drafts and
+    the alternatives -> (logits [K+1+A, V], ms): the target's scores after the last committed id, after each draft and
+    after each alternative. At step 0 the prompt's rows are computed as the baseline's prefill computes them, so that
+    the caches agree."""
+    K, A = len(draft.ids), len(draft.tree.alternatives)
+    t = time.perf_counter()
+    logits = forward(model, ids[read:] + draft.ids + draft.tree.alternatives, cache, keep=K + 1 + A,
+                     prompt_rows=len(ids) if read == 0 else None, tree=A, tree_at=draft.tree.row)
+    return logits, _ms_since(t)
+
+
+def _accept(draft: _Draft, logits: torch.Tensor, params: SamplingParams, g: torch.Generator, cache,
+            committed: int) -> _Verdict:
+    """Which drafts the target accepts and its own next token; the cache keeps the `committed` ids and the accepted
+    drafts (the new token is fed next step)."""
+    K = len(draft.ids)
+    p = None if params.greedy else warp(logits, params)  # [K+1, V] (a tree is greedy only)
+    if K == 0:
+        accepted, token, refused_from = [], next_token(logits[-1], params, g)[0], 0
+    else:
+        d = torch.tensor(draft.ids, dtype=torch.long, device=logits.device)  # [K]
+        if params.greedy:
+            n, token = verify_greedy(d, logits[: K + 1])
+            accepted, token, refused_from = draft.tree.accept(draft.ids, n, token, logits, cache, committed)
+        else:
+            n, token = rejection_sample(d, draft.probs, p, g)
+            accepted, refused_from = draft.ids[:n], n
+    n = len(accepted)
+    rollback(cache, committed + n)
+    # after a branch accepted whole (the chain, or a tree's alternative), the target's token is the bonus
+    kind = TokenKind.BASELINE if K == 0 else TokenKind.BONUS if n == K or refused_from < n else TokenKind.RECOVERED
+    return _Verdict(accepted, refused_from, token, kind, p)
+
+
+def _commit(run: _Recorder, step: int, draft: _Draft, verdict: _Verdict) -> Generator[TokenEvent, None, int]:
+    """Commit the step's output tokens in order, the rejected drafts shown just before the output token that takes
+    the first one's place, until a stop condition ends the run; returns how many were committed."""
+    p, q, n = verdict.p, draft.probs, len(verdict.accepted)
+    for i, token in enumerate(verdict.accepted + [verdict.token]):
+        if i == verdict.refused_from:
+            for r, rejected in enumerate(draft.ids[i:], i):
+                yield run.reject(rejected, step, r, _prob(p, r, rejected), _prob(q, r, rejected))
+        if i < n:  # sampled, a deterministic drafter's q is one-hot: 1 at its draft
+            yield run.commit(TokenKind.ACCEPTED, token, step, i, _prob(p, i, token),
+                             1.0 if q is None and p is not None else _prob(q, i, token))
+        else:
+            yield run.commit(verdict.kind, token, step, i, _prob(p, i, token))
+        if run.done:
+            return i + 1
+    return n + 1
+
+
+def _prob(dist: torch.Tensor | None, position: int, token: int) -> float | None:
+    return None if dist is None else float(dist[position, token])
+
+
+def _cancelled(cancel: threading.Event | None) -> bool:
+    return cancel is not None and cancel.is_set()
 
 
 @torch.inference_mode()

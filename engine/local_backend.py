@@ -8,14 +8,18 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
-from engine.drafters import DraftModelProposer, HybridProposer, NgramProposer
+from engine import tree
 from engine.events import Event, RunResult
 from engine.local import generate_baseline, generate_speculative, score_outputs
-from engine.models import PRESETS, LoadedModel, ModelError, Preset, check_pair, encode_prompt, load, pick_device
+from engine.methods import PROPOSERS, needs_draft
+from engine.models import LoadedModel, ModelError, check_pair, load, pick_device
+from engine.presets import PRESETS, Preset
+from engine.prompts import encode_prompt
 from engine.optimize import MIN_ROWS
 from engine.backend import Capabilities
 from engine.policy import SpecPolicy
-from engine.request import MIN_DRAFT_VOCAB, MODEL_METHODS, Request
+from engine.proposers import Draft
+from engine.request import MIN_DRAFT_VOCAB, Request
 from engine.sampling import SettingsError
 from engine.stops import StopConditions
 from engine.vocab import PrunedHead, kept_ids, prune_head, token_ranking
@@ -36,8 +40,8 @@ class LocalBackend:
         if draft is not None:
             check_pair(target, draft)
         self.target, self.draft = target, draft
-        # greedy verify passes shorter than this fill their free rows with a token tree (engine.local): the target's
-        # padding (engine.optimize.MIN_ROWS) makes them cost as much as this many rows anyway
+        # the pass size a token tree fills up to (engine.tree): the target's padding (engine.optimize.MIN_ROWS) makes
+        # greedy verify passes of fewer rows cost as much as this many anyway
         self.tree_rows = tree_rows
         self.target_step_ms: float | None = None  # measured by baseline runs; lets the fallback judge from the first step
         self.verify_ms: dict[int, float] = {}  # target pass over m tokens -> ms, learned by speculative runs
@@ -46,7 +50,7 @@ class LocalBackend:
     @classmethod
     def from_preset(
         cls, preset: Preset | str, device: str | None = None, min_rows: int = MIN_ROWS,
-        on_progress: Progress | None = None,
+        on_progress: Progress | None = None, precision: str = "float32",
     ) -> "LocalBackend":
         if isinstance(preset, str):
             if preset not in PRESETS:
@@ -54,12 +58,14 @@ class LocalBackend:
             preset = PRESETS[preset]
         dev = pick_device(device)
         if not preset.draft:
-            return cls(load(preset.target, "target", dev, min_rows=min_rows, on_progress=on_progress), None, min_rows)
+            return cls(load(preset.target, "target", dev, min_rows=min_rows, on_progress=on_progress,
+                            precision=precision), None, min_rows)
         # both at once: each load keeps a core busy only part of the time (reading, dequantizing, packing take turns),
         # so together they start ~30 % sooner on two cores; the peak stays the two models plus one tensor each
         with ThreadPoolExecutor(2, thread_name_prefix="load") as pool:
             draft = pool.submit(load, preset.draft, "draft", dev, int8=preset.int8_draft, on_progress=on_progress)
-            target = pool.submit(load, preset.target, "target", dev, min_rows=min_rows, on_progress=on_progress)
+            target = pool.submit(load, preset.target, "target", dev, min_rows=min_rows, on_progress=on_progress,
+                                 precision=precision)
             return cls(target.result(), draft.result(), min_rows)
 
     def variants(self) -> dict[str, dict]:
@@ -105,10 +111,10 @@ class LocalBackend:
     def prompt_ids(self, req: Request) -> list[int]:
         """The prompt as the target's tokens, after checking that this backend can serve `req`."""
         req.validate()
-        if req.method in MODEL_METHODS and self.draft is None:
+        if needs_draft(req.method) and self.draft is None:
             raise SettingsError(f"this setup has no draft model, which {req.method} drafting needs: choose n-gram "
                                 "drafting or load a draft")
-        if req.method in MODEL_METHODS and req.draft_vocab > self.draft.vocab_size:
+        if needs_draft(req.method) and req.draft_vocab > self.draft.vocab_size:
             raise SettingsError(f"the draft vocabulary (FR-Spec) must be 0 (full) or between {MIN_DRAFT_VOCAB} and "
                                 f"the draft's {self.draft.vocab_size} tokens, got {req.draft_vocab}")
         ids = encode_prompt(self.target.tokenizer, req.prompt, req.chat, req.earlier_turns)
@@ -143,14 +149,10 @@ class LocalBackend:
         ids = self.prompt_ids(req)
         t = self.target
         tree_rows = self.tree_rows if req.token_tree else 0
-        if req.method == "ngram":
-            proposer = NgramProposer(req.ngram_min, req.ngram_max)
-        else:
-            proposer = DraftModelProposer(self.draft.model, t.vocab_size, req.sampling, None, req.draft_confidence,
-                                          self.draft_head(req.draft_vocab), alternatives=max(0, tree_rows - 2))
-        if req.method == "hybrid":
-            lookup = NgramProposer(req.hybrid_min_match, max(req.ngram_max, req.hybrid_min_match))
-            proposer = HybridProposer(proposer, lookup)
+        method = PROPOSERS[req.method]
+        draft = Draft(self.draft.model, t.vocab_size, self.draft_head(req.draft_vocab),
+                      alternatives=tree.width(tree_rows)) if method.needs_draft else None
+        proposer = method.build(req, draft)
         policy = SpecPolicy(req.policy(), target_step_ms=self.target_step_ms, verify_ms=self.verify_ms)
         yield from generate_speculative(
             t.model, t.tokenizer, proposer, ids, req.sampling, self.stops(req), policy, cancel, clock, tree_rows

@@ -1,4 +1,5 @@
-"""Model presets, loading (with the exact CPU optimisations), prompts, and draft/target compatibility checks."""
+"""Model loading (with the exact CPU optimisations) and draft/target compatibility checks. Presets are in
+engine.presets, prompt formatting in engine.prompts (neither needs torch)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import torch
 
 from engine.optimize import MIN_ROWS, finish, linear_converter, prepare_draft, prepare_target
+from engine.precision import HalfLinear, check_precision
 from engine.weights import SOURCES, Progress, WeightsError, cache_dir, dequantize_gguf, dequantized_dir, gguf_model
 
 log = logging.getLogger(__name__)
@@ -16,46 +18,6 @@ log = logging.getLogger(__name__)
 
 class ModelError(RuntimeError):
     """A model that cannot be found, loaded or paired; the message says why and what to do."""
-
-
-@dataclass(frozen=True)
-class Preset:
-    name: str
-    target: str  # a name in engine.weights.SOURCES, a transformers model directory, or a .gguf file
-    draft: str | None  # None: n-gram prompt lookup drafts
-    method: str  # the drafting method runs start with: "draft" | "ngram" | "hybrid"
-    description: str
-    int8_draft: bool = True
-
-
-PRESETS = {
-    "qwen-coder": Preset(
-        "qwen-coder",
-        "qwen2.5-coder-1.5b-instruct",
-        "qwen2.5-coder-0.5b-instruct",
-        "hybrid",  # prompt lookup where the text repeats, the draft model elsewhere: ahead of "draft" on unseen prompts
-        "Qwen2.5-Coder-1.5B-Instruct target, Qwen2.5-Coder-0.5B-Instruct draft (int8 on CPU), hybrid drafting",
-    ),
-    "smollm2-ngram": Preset(
-        "smollm2-ngram",
-        "smollm2-135m-instruct",
-        None,
-        "ngram",
-        "SmolLM2-135M-Instruct target with n-gram prompt-lookup drafts (small and quick)",
-    ),
-}
-DEFAULT_PRESET = "qwen-coder"
-
-
-def custom_preset(base: str, target: str | None, draft: str | None, int8_draft: bool = True) -> Preset:
-    """A preset with its target and/or draft replaced by a model directory, a .gguf file or a known model name."""
-    p = PRESETS[base]
-    if target is None and draft is None:
-        return p
-    target = target or p.target
-    draft = draft if draft is not None else (p.draft if target == p.target else None)
-    method = "draft" if draft else "ngram"
-    return Preset("custom", target, draft, method, f"{target} with {draft or 'n-gram drafts'}", int8_draft)
 
 
 @dataclass
@@ -113,14 +75,20 @@ def resolve(spec: str, on_progress: Progress | None = None) -> Path:
 
 def load(
     spec: str, role: str, device: torch.device | None = None, int8: bool = False, min_rows: int = MIN_ROWS,
-    on_progress: Progress | None = None,
+    on_progress: Progress | None = None, precision: str = "float32",
 ) -> LoadedModel:
-    """Load a target (role="target": exact optimisations) or a draft (role="draft": optionally int8)."""
+    """Load a target (role="target": exact optimisations, its Linears in `precision`, engine.precision) or a draft
+    (role="draft": optionally int8)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = device or pick_device()
+    if role == "target":
+        try:
+            check_precision(precision, device)
+        except ValueError as e:
+            raise ModelError(str(e)) from e
     if spec in SOURCES or spec.endswith(".gguf"):
-        return _load_gguf(spec, role, device, int8, min_rows, on_progress)
+        return _load_gguf(spec, role, device, int8, min_rows, on_progress, precision)
     try:
         path = resolve(spec, on_progress)
     except WeightsError as e:
@@ -134,17 +102,22 @@ def load(
     except Exception as e:  # noqa: BLE001 - a broken cache or directory: say where and how to fix it
         raise ModelError(f"could not load {spec!r} from {path}: {e}. If this is a cached model, delete {path}.") from e
     nbytes = _weight_bytes(model)  # before packing: prepacked weights hide from state_dict
-    model = prepare_target(model, device, min_rows) if role == "target" else prepare_draft(model, device, int8)
+    if role == "target":
+        model = prepare_target(model, device, min_rows, precision)
+    else:
+        model = prepare_draft(model, device, int8)
     _own_memory(model)
     if role == "draft" and int8:
         nbytes = _int8_size(model)
+    if role == "target" and precision != "float32":
+        nbytes = _resident_bytes(model)
     if on_progress:
         on_progress(f"loading {role} {Path(spec).name}", 1, 1)
     return LoadedModel(Path(spec).name, model, tokenizer, device, nbytes)
 
 
 def _load_gguf(spec: str, role: str, device: torch.device, int8: bool, min_rows: int,
-               on_progress: Progress | None) -> LoadedModel:
+               on_progress: Progress | None, precision: str = "float32") -> LoadedModel:
     """Known models and .gguf files: loaded from the GGUF, each Linear packed or quantized as it arrives."""
     from transformers import AutoTokenizer
 
@@ -157,7 +130,8 @@ def _load_gguf(spec: str, role: str, device: torch.device, int8: bool, min_rows:
     log.info("loading %s %s from %s", role, spec, gguf)
     try:
         tokenizer = AutoTokenizer.from_pretrained(meta)
-        model = load_gguf_model(gguf, meta, linear_converter(role, device, min_rows, int8), on_progress=on_progress)
+        model = load_gguf_model(gguf, meta, linear_converter(role, device, min_rows, int8, precision),
+                                 on_progress=on_progress)
     except Exception as e:  # noqa: BLE001 - a damaged cache: say where and how to fix it
         raise ModelError(f"could not load {spec!r} from {gguf}: {e}. If this is a cached model, delete {meta}.") from e
     model = finish(model, role)
@@ -185,7 +159,8 @@ def _resident_bytes(model: torch.nn.Module) -> int:
 
     tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
     tensors.update({id(m.weight): m.weight for m in model.modules() if isinstance(m, PackedLinear)})
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    half = sum(m.nbytes for m in model.modules() if isinstance(m, HalfLinear))  # packed for fbgemm: opaque
+    return sum(t.numel() * t.element_size() for t in tensors.values()) + half
 
 
 def _own_memory(model: torch.nn.Module) -> None:
@@ -226,17 +201,3 @@ def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
             f"the draft {draft.name!r} has a wider vocabulary ({draft.model.config.vocab_size}) than the target "
             f"({target.vocab_size})"
         )
-
-
-def chat_messages(text: str, earlier_turns=()) -> list[dict]:
-    return [{"role": role, "content": content} for role, content in earlier_turns] + [{"role": "user", "content": text}]
-
-
-def encode_prompt(tokenizer, text: str, chat: bool = True, earlier_turns=()) -> list[int]:
-    """Token ids of a user prompt (after earlier chat turns, if any); chat models get their chat template, with
-    the assistant turn opened."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(chat_messages(text, earlier_turns), tokenize=False,
-                                             add_generation_prompt=True)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer("\n".join([c for _, c in earlier_turns] + [text]))["input_ids"]

@@ -10,6 +10,8 @@ attention over several queries. We replace them with:
   row takes another kernel on large layers (not bitwise), and 1-4 rows are slower than 5 on our 2-core CPU, so a
   pass over fewer than `min_rows` (5) rows runs padded to 5: exact, and faster for every engine that uses the
   target (the baseline, ours and HF assisted generation alike).
+  With precision "float16" the Linears are engine.precision's `HalfLinear` instead: half the bytes, each row
+  exact for any number of rows, no padding.
 - `rowwise_attention`: each query of a short pass attends with its own single-query SDPA call, exactly the
   call the baseline makes at that position. Long passes (the prompt) use one fused causal call; both engines
   prefill the same prompt with the same call, so their caches agree.
@@ -21,18 +23,16 @@ layers may differ in the last bits; the console shows the first divergence if th
 from __future__ import annotations
 
 import logging
-import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AttentionInterface
+
+from engine import tree
+from engine.forward import PassLayout
+from engine.precision import HalfLinear, check_precision
 
 log = logging.getLogger(__name__)
-
-# torch marks its quantized tensors deprecated; they are what its int8 Linears run on. (Set once here, not with
-# catch_warnings around each call: that is not thread-safe, and the draft loads beside the target.)
-warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
 
 ROWWISE_MAX_QUERIES = 64  # above this a pass is a prefill: one fused causal attention call
 # Fewer rows than this run padded to it (`python -m benchmarks.pass_cost --min-rows 1` shows why: on our 2-core CPU
@@ -40,35 +40,29 @@ ROWWISE_MAX_QUERIES = 64  # above this a pass is a prefill: one fused causal att
 MIN_ROWS = 5
 
 
-def rowwise_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, prompt_rows=None,
-                      tree_rows=0, tree_at=1, **kwargs):
+def rowwise_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                      pass_layout: PassLayout | None = None, **kwargs):
+    """The target's attention (config._attn_implementation "rowwise"). `pass_layout`: which rows of the pass are the
+    prompt's or a token tree's, made by engine.forward.forward and passed through the model; None: a plain pass."""
     # query [B, H, Q, D]; key, value [B, H_kv, T, D] with the Q new positions last; batch size 1, no padding
+    layout = pass_layout or PassLayout()
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # grouped-query attention
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     Q, T = query.shape[2], key.shape[2]
+    prompt_rows, alt_rows = layout.prompt_rows, layout.alt_rows
     if prompt_rows is not None and prompt_rows < Q:
         # The prompt read together with the first drafts (T == Q): the prompt's rows take the call the baseline's
         # prefill makes, the drafts' rows the calls of the decoding steps at their positions.
         prompt = _attend(query[:, :, :prompt_rows], key[:, :, :prompt_rows], value[:, :, :prompt_rows], scaling)
         drafts = _attend(query[:, :, prompt_rows:], key, value, scaling)
         out = torch.cat([prompt, drafts], dim=2)
-    elif tree_rows:
-        # A token tree (engine.forward): the last tree_rows queries are alternatives to the pass's row tree_at; each
-        # sees the keys before that row and its own, in the order a plain step at that position would.
-        chain = Q - tree_rows
-        out = [_attend(query[:, :, :chain], key[:, :, :T - tree_rows], value[:, :, :T - tree_rows], scaling)]
-        seen = T - Q + tree_at  # the cache and the pass's rows before tree_at
-        if groups == 1:  # key and value are the cache's own tensors (no grouped-query copy): write into copies
-            key, value = key.clone(), value.clone()
-        for j in range(T - tree_rows, T):
-            # the alternative's key and value take the place of the row it stands in for (whose query is done):
-            # no copy of the context, and the call is a plain step's at that position
-            key[:, :, seen], value[:, :, seen] = key[:, :, j], value[:, :, j]
-            out.append(_attend(query[:, :, Q - T + j : Q - T + j + 1], key[:, :, : seen + 1],
-                               value[:, :, : seen + 1], scaling))
-        out = torch.cat(out, dim=2)
+    elif alt_rows:
+        # A token tree: the chain's rows as a plain pass's (they never see the alternatives), then the alternatives'
+        chain = _attend(query[:, :, : Q - alt_rows], key[:, :, : T - alt_rows], value[:, :, : T - alt_rows], scaling)
+        # with one group key and value are the cache's own tensors (no grouped-query copy)
+        out = torch.cat([chain, tree.attend(query, key, value, layout, scaling, shared=groups == 1)], dim=2)
     else:
         out = _attend(query, key, value, scaling)
     return out.transpose(1, 2).contiguous(), None  # [B, Q, H, D]
@@ -87,9 +81,6 @@ def _attend(query, key, value, scaling):
         for i in range(Q)
     ]
     return torch.cat(rows, dim=2)
-
-
-AttentionInterface.register("rowwise", rowwise_attention)
 
 
 class PackedLinear(nn.Module):
@@ -112,30 +103,27 @@ class PackedLinear(nn.Module):
         return y[..., :rows, :]
 
 
-def pack_linears(model: nn.Module, min_rows: int) -> nn.Module:
+def convert_linears(model: nn.Module, convert) -> nn.Module:
+    """Replace each nn.Linear of `model` by convert(linear) (see linear_converter)."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, PackedLinear(child, min_rows))
+                setattr(module, name, convert(child))
     return model
 
 
-def prepare_target(model: nn.Module, device: torch.device, min_rows: int = MIN_ROWS) -> nn.Module:
-    """Exact optimisations for the target (and for the baseline, which uses the same model object)."""
-    model.config._attn_implementation = "rowwise"
-    if device.type == "cpu" and torch.backends.mkldnn.is_available():
-        pack_linears(model, min_rows)
-    return model.eval()
+def prepare_target(model: nn.Module, device: torch.device, min_rows: int = MIN_ROWS,
+                   precision: str = "float32") -> nn.Module:
+    """Exact optimisations for the target (and for the baseline, which uses the same model object); `precision`:
+    one of engine.precision.PRECISIONS."""
+    convert_linears(model, linear_converter("target", device, min_rows, precision=precision))
+    return finish(model, "target")
 
 
 def prepare_draft(model: nn.Module, device: torch.device, int8: bool) -> nn.Module:
     """The draft may be approximate: int8 dynamic quantization makes it ~3x faster on this CPU."""
-    if int8 and device.type == "cpu":
-        for module in list(model.modules()):
-            for name, child in list(module.named_children()):
-                if isinstance(child, nn.Linear):
-                    setattr(module, name, quantize_linear(child))
-    return model.eval()
+    convert_linears(model, linear_converter("draft", device, int8=int8))
+    return finish(model, "draft")
 
 
 def quantize_linear(linear: nn.Linear) -> nn.Module:
@@ -163,10 +151,16 @@ def int8_linear(qweight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
     return layer
 
 
-def linear_converter(role: str, device: torch.device, min_rows: int = MIN_ROWS, int8: bool = False):
+def linear_converter(role: str, device: torch.device, min_rows: int = MIN_ROWS, int8: bool = False,
+                     precision: str = "float32"):
     """What prepare_target / prepare_draft turn one float32 Linear into, for loaders that convert layer by layer
-    (so that the float32 weights of the whole model never exist at once)."""
+    (so that the float32 weights of the whole model never exist at once). `precision` is the target's
+    (engine.precision); ValueError for one that cannot run on `device`."""
     cpu = device.type == "cpu"
+    if role == "target":
+        check_precision(precision, device)
+        if precision == "float16":
+            return HalfLinear
     if role == "target" and cpu and torch.backends.mkldnn.is_available():
         return lambda linear: PackedLinear(linear, min_rows)
     if role == "draft" and int8 and cpu:

@@ -5,17 +5,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.limits import MAX_K, MAX_NEW_TOKENS, check_range
+from engine.limits import MAX_K, MAX_NEW_TOKENS, MAX_TEMPERATURE, SettingsError, check_range
+from engine.methods import METHODS, PROPOSERS, needs_draft  # noqa: F401 - METHODS: where importers take it from
 from engine.policy import PolicyConfig
-from engine.sampling import SamplingParams, SettingsError
 
-METHODS = ("draft", "ngram", "hybrid")  # the local engine's drafting methods
-MODEL_METHODS = ("draft", "hybrid")  # the methods that run a draft model (and may stop it per token)
 # hybrid drafting looks the text up when at least this many tokens repeat verbatim, as prompt-lookup decoding's
 # default n-gram size: one or two tokens ("the", ", ") recur everywhere and would overrule a better draft model
 HYBRID_MIN_MATCH = 3
 # FR-Spec's smallest pruned draft vocabulary: below it even common text falls outside the kept tokens
 MIN_DRAFT_VOCAB = 1024
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 means off
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        check_range("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        if self.top_k < 0:
+            raise SettingsError(f"top-k must be 0 (off) or positive, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SettingsError(f"top-p must be in (0, 1], got {self.top_p}")
+
 
 @dataclass(frozen=True)
 class Request:
@@ -24,7 +42,7 @@ class Request:
     prompt: str
     max_new_tokens: int = 128
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    method: str = "draft"  # "draft" | "ngram" | "hybrid" (n-gram lookup where it matches, the draft model elsewhere)
+    method: str = "draft"  # a key of engine.methods.PROPOSERS: "draft", "ngram", "hybrid", ...
     k: int = 4
     dynamic_k: bool = False
     k_max: int = PolicyConfig.k_max  # dynamic K's ceiling
@@ -32,7 +50,7 @@ class Request:
     draft_confidence: float = 0.0  # stop drafting after a token the draft itself gives less than this (0 = off)
     per_token: bool = True  # with dynamic K, a draft model stops by policy.DraftStop (False: K from the i.i.d. model)
     verify_curve: bool = True  # DraftStop reads each length's measured verify cost (False: linear in length)
-    token_tree: bool = True  # greedy, local: a short pass's free rows verify the draft's alternatives (engine.local)
+    token_tree: bool = True  # greedy, local: a short pass's free rows verify the draft's alternatives (engine.tree)
     ngram_min: int = 1
     ngram_max: int = 4
     hybrid_min_match: int = HYBRID_MIN_MATCH  # hybrid: the shortest n-gram match that is trusted over the draft model
@@ -45,8 +63,8 @@ class Request:
         if not self.prompt.strip():
             raise SettingsError("the prompt is empty: type a prompt or pick an example")
         check_range("max new tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS)
-        if self.method not in METHODS:
-            raise SettingsError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.method not in PROPOSERS:
+            raise SettingsError(f"method must be one of {', '.join(PROPOSERS)}, got {self.method!r}")
         check_range("K", self.k, 1, MAX_K)
         if self.hybrid_min_match < 1:
             raise SettingsError(f"the hybrid's n-gram match needs at least 1 token, got {self.hybrid_min_match}")
@@ -61,7 +79,7 @@ class Request:
     def policy(self) -> PolicyConfig:
         k_max = max(self.k_max, self.k) if self.dynamic_k else self.k
         return PolicyConfig(k=self.k, dynamic=self.dynamic_k, k_max=k_max, fallback=self.fallback,
-                            per_token=self.per_token and self.method in MODEL_METHODS, verify_curve=self.verify_curve)
+                            per_token=self.per_token and needs_draft(self.method), verify_curve=self.verify_curve)
 
 
 # --- one request builder --------------------------------------------------------------------------------------------
@@ -87,8 +105,8 @@ def build_request(prompt: str = "", *, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, te
         sampling=SamplingParams(float(temperature), int(top_k), float(top_p),
                                 None if seed in (None, "") else int(seed)),
         method=method, k=int(k), dynamic_k=bool(dynamic_k), k_max=max(16, int(k)),
-        # the draft model's own confidence and vocabulary: meaningless to other drafters, not saved with their runs
-        draft_confidence=float(draft_confidence) if method in MODEL_METHODS else 0.0,
-        draft_vocab=int(draft_vocab or 0) if method in MODEL_METHODS else 0,
+        # the draft model's own confidence and vocabulary: meaningless to other proposers, not saved with their runs
+        draft_confidence=float(draft_confidence) if needs_draft(method) else 0.0,
+        draft_vocab=int(draft_vocab or 0) if needs_draft(method) else 0,
         fallback=bool(fallback), stop_strings=tuple(s for s in stop_strings if s),
     )

@@ -1,42 +1,32 @@
-"""Sampling parameters, logits warping, and verification of draft tokens.
+"""Logits warping and verification of draft tokens (SamplingParams, torch-free, is in engine.request).
 
-Verification decides, for one speculation step, how many of the K draft tokens the target accepts and which token
-the target adds itself (see engine.events for accepted / recovered / bonus):
+In one speculation step the proposer drafts K tokens and the target scores them all in one forward pass. The terms
+(every engine, engine.events.TokenKind and the page use them):
 
-- greedy (temperature 0): accept while each draft equals the target's argmax; the next token is the target's
-  argmax at the first mismatch (recovered) or after the last draft (bonus). Output equals plain greedy decoding.
+    accepted tokens   drafts the target keeps: a prefix of the K drafts (with a token tree, engine.tree, one of the
+                      draft's alternatives may take the place of the first refused draft).
+    rejected tokens   the first draft the target refuses and every draft after it; never part of the output.
+    recovered token   the target's own token at the first rejected position.
+    bonus token       the target's own token after the accepted ones when none was refused (all K drafts, or a
+                      tree's alternative, accepted).
+    output tokens     the accepted tokens, then the recovered or bonus token: a step commits between 1 and K+1.
+
+Verification decides them, from the target's distribution p and the draft's q (each [V] per position):
+
+- greedy (temperature 0): accept while each draft equals the target's argmax; the recovered or bonus token is the
+  target's argmax there. Output equals plain greedy decoding.
 - sampled: the rejection sampler of Leviathan et al. (2023) / Chen et al. (2023). Accept draft x with probability
-  min(1, p(x) / q(x)); at the first rejection sample from norm(max(0, p - q)); after K acceptances sample a bonus
-  token from p. Every output token is then distributed exactly as the target's own sampling would be, provided p
-  and q are warped identically (temperature, top-k, top-p), which `warp` guarantees by being the only warper.
+  min(1, p(x) / q(x)); sample the recovered token from norm(max(0, p - q)), the bonus token from p. Every output
+  token is then distributed exactly as the target's own sampling would be, provided p and q are warped identically
+  (temperature, top-k, top-p), which `warp` guarantees by being the only warper.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from engine.limits import MAX_TEMPERATURE, SettingsError, check_range
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 means greedy
-    top_k: int = 0  # 0 means off
-    top_p: float = 1.0
-    seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def validate(self) -> None:
-        check_range("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
-        if self.top_k < 0:
-            raise SettingsError(f"top-k must be 0 (off) or positive, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise SettingsError(f"top-p must be in (0, 1], got {self.top_p}")
+from engine.limits import SettingsError  # noqa: F401 - where the engine's importers take it from
+from engine.request import SamplingParams
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -88,7 +78,7 @@ def rejection_sample(
     """Sampled verification.
 
     draft_ids    [K]       the proposed tokens
-    draft_probs  [K, V]    q, the warped draft distributions; None for a deterministic drafter (n-gram),
+    draft_probs  [K, V]    q, the warped draft distributions; None for a deterministic proposer (n-gram),
                            which is q = one-hot(draft)
     target_probs [K+1, V]  p, the warped target distributions; row K is for the bonus token
     returns (number accepted n, next token: recovered at position n if n < K, else bonus)
@@ -97,7 +87,7 @@ def rejection_sample(
     rows = torch.arange(K)
     p_draft = target_probs[rows, draft_ids]  # [K]
     q_draft = draft_probs[rows, draft_ids] if draft_probs is not None else torch.ones(K)  # [K]
-    u = torch.rand(K, generator=generator)
+    u = torch.rand(K, generator=generator)  # [K]
     # u < p/q, written without the division; q(x) > 0 because x was drawn from q
     rejected = (u * q_draft >= p_draft).nonzero()
     n = int(rejected[0]) if len(rejected) else K

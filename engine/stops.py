@@ -13,15 +13,23 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.text = ""
+        self.incomplete = False  # the ids end inside a multi-byte character
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        if text.endswith("\ufffd"):
+        self.incomplete = text.endswith("\ufffd")
+        if self.incomplete:
             return ""
         piece = text[len(self.text) :]
         self.text = text
         return piece
+
+    def fork(self) -> Detokenizer:
+        """A copy that reads on from this text, for tokens that are not committed (a step's rejected drafts)."""
+        other = Detokenizer(self.tokenizer)
+        other.ids, other.text, other.incomplete = list(self.ids), self.text, self.incomplete
+        return other
 
 
 @dataclass

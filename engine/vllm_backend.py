@@ -47,10 +47,10 @@ import httpx
 from engine.backend import DRAFTING_SETTINGS, MAX_EXTRA, Capabilities, extra_engine
 from engine.events import Event, Reclassified, RunResult, StepRecord, TokenEvent, TokenKind
 from engine.http_safety import ResponseRefused, afetch, endpoint, fetch, number, redact
+from engine.limits import SettingsError
 from engine.metrics import run_metrics
-from engine.models import chat_messages
-from engine.request import Request
-from engine.sampling import SamplingParams, SettingsError
+from engine.prompts import chat_messages
+from engine.request import Request, SamplingParams
 from engine.vllm_client import Cancelled, request_body, stream_chunks
 from engine.vllm_metrics import SPEC_COUNTERS, metrics_delta, parse_metrics
 from engine.vllm_server import ServerConfig, VLLMError, VLLMServer, has_gpu
@@ -60,6 +60,17 @@ log = logging.getLogger(__name__)
 
 WARM_UP_PROMPT = 'Repeat exactly: "alpha beta gamma delta epsilon", "alpha beta gamma delta epsilon"'
 CANCEL_POLL_S = 0.1  # how often a throughput burst looks at Stop while it waits for the answers
+
+
+def memory_shares(n: int, split: tuple[float, ...] | None = None) -> tuple[float, ...]:
+    """Each of `n` managed servers' share of the GPU memory, baseline first: `split` where given (one share per
+    server), else 0.45 each for two servers and 0.9 split evenly for more."""
+    split = split or ((0.45, 0.45) if n == 2 else (round(0.9 / n, 3),) * n)
+    if len(split) != n:
+        raise VLLMError(f"the memory split needs one share per server ({n}), got {split}")
+    return split
+
+
 def server_label(config: dict | None) -> str:
     """What the page calls a speculative server: its method and K ("vLLM ngram K=2"), as far as it is known."""
     if not config:
@@ -117,9 +128,7 @@ class VLLMBackend:
         roles = [("baseline", None), ("speculative", speculative),
                  *[(extra_engine(i), config) for i, config in enumerate(extra)]]
         n = len(roles)
-        memory_split = memory_split or ((0.45, 0.45) if n == 2 else (round(0.9 / n, 3),) * n)
-        if len(memory_split) != n:
-            raise VLLMError(f"the memory split needs one share per server ({n}), got {memory_split}")
+        memory_split = memory_shares(n, memory_split)
         ports = (*ports[:n], *[max(ports) + 1 + i for i in range(n - len(ports))])
         cores = max(1, os.cpu_count() or 1)
         if not gpu and n > cores:

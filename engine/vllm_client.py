@@ -22,7 +22,7 @@ import httpx
 
 from engine.http_safety import (IDENTITY, MAX_ERROR_BYTES, MAX_LINE_BYTES, ResponseRefused, error_text, iter_lines,
                                 number, read_capped)
-from engine.models import chat_messages
+from engine.prompts import chat_messages
 from engine.request import Request
 from engine.vllm_server import VLLMError
 

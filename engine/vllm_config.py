@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine.limits import MAX_K
+from engine.methods import digits, nonempty, parse_specs
 from engine.vllm_server import VLLMError
 
 METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa", "mtp", "suffix")
@@ -30,18 +31,8 @@ def parse_configs(spec: str, default_k: int = 4) -> list[dict]:
     """`ngram:k=2,draft_model:k=4:draft=/models/d` (launch.py --vllm-compare) -> one --speculative-config each: a
     method, optionally `:k=N` (else `default_k`) and `:draft=PATH`."""
     configs = []
-    for part in (p.strip() for p in spec.split(",")):
-        if not part:
-            continue
-        method, *options = part.split(":")
-        k, draft = default_k, None
-        for option in options:
-            name, _, value = option.partition("=")
-            if name == "k" and value.isdigit():
-                k = int(value)
-            elif name == "draft" and value:
-                draft = value
-            else:
-                raise VLLMError(f"--vllm-compare: unknown option {option!r} in {part!r} (use k=N or draft=PATH)")
-        configs.append(speculative_config(method, k, draft))
+    for part in parse_specs(spec):
+        options = dict(part.values({"k": digits, "draft": nonempty}, lambda option, text: VLLMError(
+            f"--vllm-compare: unknown option {option!r} in {text!r} (use k=N or draft=PATH)")))
+        configs.append(speculative_config(part.method, options.get("k", default_k), options.get("draft")))
     return configs

@@ -10,6 +10,7 @@ from pathlib import Path
 import gradio as gr
 
 from engine.limits import MAX_UPLOAD_BYTES
+from engine.setup import setup
 from specconsole import tab_history, tab_run, tab_workbench
 from specconsole.history import History, HistoryError
 from specconsole.host import ModelHost
@@ -24,6 +25,7 @@ GRADIO_CACHE_SWEEP = (3600, 86400)  # (every s, files older than s) for Gradio's
 
 
 def build(host: ModelHost, history: History) -> gr.Blocks:
+    setup()  # process-wide settings the engines need, for a page built without launch.py (engine.setup)
     # Gradio copies every file it serves (exports, uploads) into its own cache and keeps it: every hour, drop the
     # copies older than a day (and all of them when the console stops)
     with gr.Blocks(title="SpecConsole", delete_cache=GRADIO_CACHE_SWEEP) as app:

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 MODES = ("fair", "race")
 SAVE_EVERY_S = 1.0  # how often a running comparison appends its new events to the history
-PAGE_WAIT_S = 1.0  # the longest a fair turn waits for the page to hand its last update over
+PAGE_WAIT_S = 2.0  # the longest a fair turn waits for the page to draw its last update (page_drawn waits 1 s)
 
 
 class TurnLock:
@@ -160,6 +160,7 @@ class Comparison:
         # wait for it, up to PAGE_WAIT_S (a page that went away must not stall the run)
         self.page_idle = threading.Event()
         self.page_idle.set()
+        self.page_acks: dict = {}  # how many updates the browser said it drew, and missed (specconsole.page_drawn)
         self.clocks: dict[str, EngineClock] = {}
         self._threads: list[threading.Thread] = []
         self.load: MachineLoad | None = None

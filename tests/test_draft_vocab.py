@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import engine.vocab
-from engine.drafters import DraftModelProposer, HybridProposer, NgramProposer
+from engine.proposers import DraftModelProposer, HybridProposer, NgramProposer
 from engine.events import TokenKind
 from engine.forward import forward, new_cache
 from engine.local import generate_speculative

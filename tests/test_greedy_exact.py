@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.drafters import DraftModelProposer, HybridProposer, NgramProposer, Proposal
+from engine.proposers import DraftModelProposer, HybridProposer, NgramProposer, Proposal
 from engine.events import RunResult, TokenKind
 from engine.forward import forward, new_cache
 from engine.local import generate_baseline, generate_speculative

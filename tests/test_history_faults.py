@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 
 from engine.request import Request
-from engine.drafters import Proposal
+from engine.proposers import Proposal
 from engine.events import PolicyAction, PolicyEvent, Reclassified, RunResult, StepRecord, TokenEvent, TokenKind
 from engine.local import _Recorder, generate_speculative
 from engine.metrics import run_metrics
@@ -32,6 +32,7 @@ from specconsole.history import LIST_COLUMNS, History, process_start
 from specconsole.render import tokens_html
 from specconsole.runner import Comparison
 from tests.big_history import big_history_copy
+from tests.conftest import db_rows, run_to_end
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,25 +42,6 @@ PARROT = "🦜"
 # right-to-left, zero-width (space, joiner), an astral letter, a character split over 3 tokens, markup
 UNICODE_TEXT = ("Parrot 🦜 says שלום עולם and مرحبا; a\u200bb, 🧑\u200d🚀, 𝔘 ꙮ, 漢字, "
                 "<script>alert('x')</script> =SUM(A1) \u202eevil end")  # an override that nothing closes
-
-
-def _rows(db: Path, sql: str, args=()) -> list[tuple]:
-    """Read with a connection of its own, as another process would."""
-    conn = sqlite3.connect(db)
-    try:
-        return conn.execute(sql, args).fetchall()
-    finally:
-        conn.close()
-
-
-def _poll_to_end(comp: Comparison, on_poll=None) -> Comparison:
-    for _ in range(20000):
-        done = comp.poll(timeout=0.005)
-        if on_poll:
-            on_poll()
-        if done:
-            return comp
-    raise AssertionError("the comparison did not finish")
 
 
 # --- incremental saving ------------------------------------------------------------------------------------------
@@ -84,10 +66,9 @@ def test_events_are_saved_while_the_run_goes_on(backend, tmp_path, monkeypatch):
 
     def look():
         if not comp.saved:  # while it runs: what another process would find in the file
-            partial.append(_rows(db, "SELECT count(*) FROM tokens WHERE run_id = ?", [comp.run_id])[0][0])
+            partial.append(db_rows(db, "SELECT count(*) FROM tokens WHERE run_id = ?", [comp.run_id])[0][0])
 
-    comp.start()
-    _poll_to_end(comp, look)
+    run_to_end(comp, look)
     live = comp.results
     total = sum(len(r.tokens) for r in live.values())
     assert any(0 < n < total for n in partial), f"nothing was saved while the run went on: {partial[-5:]}"
@@ -96,8 +77,8 @@ def test_events_are_saved_while_the_run_goes_on(backend, tmp_path, monkeypatch):
     for engine in ("baseline", "speculative"):
         assert [t.to_dict() for t in rebuilt[engine].tokens] == [t.to_dict() for t in live[engine].tokens]
         assert rebuilt[engine].steps == live[engine].steps and rebuilt[engine].policy == live[engine].policy
-    seqs = _rows(db, "SELECT engine, seq, count(*) FROM tokens WHERE run_id = ? GROUP BY engine, seq "
-                     "HAVING count(*) > 1", [comp.run_id])
+    seqs = db_rows(db, "SELECT engine, seq, count(*) FROM tokens WHERE run_id = ? GROUP BY engine, seq "
+                       "HAVING count(*) > 1", [comp.run_id])
     assert seqs == [], "events written twice"
     assert history.run(comp.run_id)["status"] == "completed"
 
@@ -139,11 +120,10 @@ def test_tokens_reclassified_at_the_end_are_rewritten(tmp_path, monkeypatch):
     history = History(tmp_path / "h.db")
     backend = ReclassifyingBackend()
     comp = Comparison(backend, Request(prompt="x", max_new_tokens=12), "race", history, {})
-    comp.start()
-    _poll_to_end(comp)
+    run_to_end(comp)
     assert comp.saved_events.counts[("speculative", "tokens")] == 12
-    saved = _rows(tmp_path / "h.db", "SELECT kind, step, position FROM tokens WHERE run_id = ? AND "
-                                     "engine = 'speculative' ORDER BY seq", [comp.run_id])
+    saved = db_rows(tmp_path / "h.db", "SELECT kind, step, position FROM tokens WHERE run_id = ? AND "
+                                       "engine = 'speculative' ORDER BY seq", [comp.run_id])
     assert saved == [(t.kind.value, t.step, t.position) for t in comp.results["speculative"].tokens]
     assert "pending" not in {kind for kind, _, _ in saved}
     # the consumer changed its own copies: what the backend yielded is as it was yielded
@@ -208,9 +188,8 @@ def test_full_database_mid_run_keeps_the_run_on_screen_and_the_history(backend, 
                       "fair", history, meta)
 
     first = comparison(24)
-    first.start()
-    _poll_to_end(first)
-    before = _rows(db, "SELECT * FROM tokens WHERE run_id = ? ORDER BY engine, seq", [first.run_id])
+    run_to_end(first)
+    before = db_rows(db, "SELECT * FROM tokens WHERE run_id = ? ORDER BY engine, seq", [first.run_id])
 
     second = comparison(180)
     second.start()
@@ -218,24 +197,22 @@ def test_full_database_mid_run_keeps_the_run_on_screen_and_the_history(backend, 
         second.poll(0.005)
     pages = history.db.execute("PRAGMA page_count").fetchone()[0]
     history.db.execute(f"PRAGMA max_page_count = {pages}")  # no page more: the next growth fails
-    _poll_to_end(second)
+    run_to_end(second, start=False)  # started above
     assert second.save_error and "database or disk is full" in second.save_error
     shown = second.results
     assert len(shown["baseline"].output_tokens) == 180 and len(shown["speculative"].output_tokens) == 180
     assert second.comparison()["identical"] is True
 
     third = comparison(16)  # starts while the file is still full (its small first row may still fit)
-    third.start()
-    _poll_to_end(third)
+    run_to_end(third)
     assert "database or disk is full" in third.save_error
     assert len(third.results["baseline"].output_tokens) == 16
 
     history.db.execute("PRAGMA max_page_count = 1073741823")  # room again
     fourth = comparison(16)
-    fourth.start()
-    _poll_to_end(fourth)
+    run_to_end(fourth)
     assert fourth.save_error is None and history.run(fourth.run_id)["status"] == "completed"
-    assert _rows(db, "SELECT * FROM tokens WHERE run_id = ? ORDER BY engine, seq", [first.run_id]) == before
+    assert db_rows(db, "SELECT * FROM tokens WHERE run_id = ? ORDER BY engine, seq", [first.run_id]) == before
     for run in (second, third):
         row = history.run(run.run_id) if run.run_id else None
         assert row is None or (row["status"] == "interrupted" and "database or disk is full" in row["error"])
@@ -243,7 +220,7 @@ def test_full_database_mid_run_keeps_the_run_on_screen_and_the_history(backend, 
     partial = history.results(second.run_id)["baseline"].tokens
     assert 0 < len(partial) < 180
     assert [t.text for t in partial] == [t.text for t in shown["baseline"].tokens[:len(partial)]]
-    assert _rows(db, "PRAGMA integrity_check") == [("ok",)]
+    assert db_rows(db, "PRAGMA integrity_check") == [("ok",)]
 
 
 # --- text that is not ASCII --------------------------------------------------------------------------------------
@@ -435,11 +412,11 @@ def test_deleting_1000_runs_is_one_transaction(tmp_path):
     verbs = [s.split()[0].upper() for s in statements]
     assert verbs.count("BEGIN") == 1 and verbs.count("COMMIT") == 1, statements
     assert verbs.index("BEGIN") < min(i for i, v in enumerate(verbs) if v == "DELETE") and verbs[-1] == "COMMIT"
-    assert _rows(path, "SELECT count(*) FROM runs") == [(counts["runs"] - 1000,)]
+    assert db_rows(path, "SELECT count(*) FROM runs") == [(counts["runs"] - 1000,)]
     for table in ("tokens", "steps", "policy"):
-        assert _rows(path, f"SELECT count(*) FROM {table} WHERE run_id IN (SELECT value FROM json_each(?))",
-                     [json.dumps(ids)]) == [(0,)]
-    assert _rows(path, "SELECT count(*) FROM tokens") == [(keep,)]
+        assert db_rows(path, f"SELECT count(*) FROM {table} WHERE run_id IN (SELECT value FROM json_each(?))",
+                       [json.dumps(ids)]) == [(0,)]
+    assert db_rows(path, "SELECT count(*) FROM tokens") == [(keep,)]
 
 
 EXPORT_SCRIPT = """
@@ -463,7 +440,7 @@ def test_export_of_everything_streams_in_bounded_memory(big, tmp_path):
     """Every token row (about 4 million) to CSV, in a process of its own whose peak RSS is read before and after."""
     path, counts = big
     for table in ("runs", "tokens"):  # whole: no other test changed the module's history
-        assert _rows(path, f"SELECT count(*) FROM {table}") == [(counts[table],)]
+        assert db_rows(path, f"SELECT count(*) FROM {table}") == [(counts[table],)]
     start = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", EXPORT_SCRIPT, str(path), str(tmp_path)], cwd=ROOT, check=True,
                          capture_output=True, text=True)
@@ -473,7 +450,7 @@ def test_export_of_everything_streams_in_bounded_memory(big, tmp_path):
     log.info("export of %d runs / %d token rows: tokens CSV %.0f MB, peak RSS %.0f MB -> %.0f MB (+%.1f MB), %.0f s",
              counts["runs"], counts["tokens"], m["tokens_csv"] / 2**20, m["before"] / 2**20, m["after"] / 2**20,
              grew / 2**20, seconds)
-    newlines = _rows(path, "SELECT sum(length(text) - length(replace(text, char(10), ''))) FROM tokens")[0][0]
+    newlines = db_rows(path, "SELECT sum(length(text) - length(replace(text, char(10), ''))) FROM tokens")[0][0]
     with open(tmp_path / "specconsole_tokens.csv", "rb") as f:  # a row per line, plus the newlines in the texts
         assert sum(1 for _ in f) == 1 + counts["tokens"] + newlines
     with open(tmp_path / "specconsole_runs.csv", newline="", encoding="utf-8") as f:

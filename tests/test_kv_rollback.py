@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.drafters import DraftModelProposer
+from engine.proposers import DraftModelProposer
 from engine.forward import forward, move_position, new_cache, rollback
 from engine.optimize import prepare_target
 from engine.sampling import SamplingParams, verify_greedy

@@ -254,6 +254,36 @@ def test_counts_that_do_not_add_up_leave_tokens_pending_never_guessed():
         server.shutdown()
 
 
+def test_the_page_names_the_speculative_engine_by_the_method_it_runs(tmp_path):
+    """The Run tab saves a llama.cpp run's speculative engine as "llamacpp-draft", the name `launch.py demo` prints
+    (specconsole.variants.choose), not as a vLLM server's."""
+    import gradio as gr
+
+    from specconsole import tab_run
+    from specconsole.history import History
+    from specconsole.host import ModelHost
+
+    stop = b'data: {"content": "", "tokens": [], "stop": true, "stop_type": "limit", "tokens_predicted": 1,' \
+           b' "tokens_evaluated": 2, "timings": {"predicted_n": 1}}\n\n'
+    server = FakeLlamaServer([_chunk(1, 5, "a", predicted_ms=1.0), stop])
+    try:
+        config = EngineConfig("speculative", "t.gguf", "draft", draft="d.gguf")
+        backend = LlamaCppBackend({"baseline": server.url, "speculative": server.url}, {"speculative": config})
+        host = ModelHost("llama.cpp", lambda progress: backend).start()
+        assert host.wait()
+        history = History(tmp_path / "h.db")
+        with gr.Blocks() as app:
+            tab_run.build(app, host, history)
+        run = next(f for f in app.fns.values() if f.name == "run").fn
+        for _ in run("x", "t", "draft", 4, False, 0.0, 0, False, 0.0, 1.0, 8, 0, "race", False, [],
+                     request=gr.Request(session_hash="s")):
+            pass
+        (saved,) = history.runs()
+        assert history.engines(saved["id"])["speculative"]["label"] == "llamacpp-draft"
+    finally:
+        server.shutdown()
+
+
 def test_a_missing_option_is_named_before_anything_starts(smol, monkeypatch):
     from engine import llamacpp_server
 

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from engine.request import Request
-from specconsole import charts
+from specconsole import charts, hosts
 from specconsole.export import export_all, export_csv
 from specconsole.history import History
 from specconsole.replay import payload
@@ -241,7 +241,7 @@ def test_demo_compare_prints_the_nway_table(backend, monkeypatch, capsys):
     import launch
     from specconsole.host import ModelHost
 
-    monkeypatch.setattr(launch, "local_host", lambda args: ModelHost("tiny", lambda progress: backend, "draft"))
+    monkeypatch.setattr(hosts, "local_host", lambda args: ModelHost("tiny", lambda progress: backend, "draft"))
     rc = launch.main(["demo", "--prompt", "hello there", "--max-new-tokens", "12", "--compare", "draft,ngram:k=3"])
     out = capsys.readouterr().out
     assert rc == 0

@@ -16,8 +16,9 @@ from engine.request import build_request
 from specconsole import runner
 from specconsole.history import History
 from specconsole.host import ModelHost
+from specconsole.page_drawn import ACKS
 from specconsole.runner import Comparison
-from tests.conftest import free_ports, run_to_end
+from tests.conftest import free_ports, run_to_end, set_run
 
 PROMPT = "Write a function that adds two numbers, then explain it line by line."
 NEW_TOKENS = 160
@@ -89,3 +90,32 @@ def test_without_waiting_for_the_page_its_work_lands_in_the_timed_passes(console
         cost[wait] = json.loads(_through_page(url, history)[1]["comparison"])["page_cpu_s"]
     print("page_cpu_s by wait", cost)
     assert cost[0.0] > cost[waiting]
+
+
+@pytest.fixture(scope="module")
+def page(browser):
+    yield browser.new_context(viewport={"width": 1500, "height": 1700}).new_page()
+
+
+def test_the_browser_draws_between_passes(console, page):
+    """In fair mode each update waits for the browser's word that it drew it (specconsole.page_drawn) before the
+    next pass is timed: a real Chromium answers every update of the run, and none is given up on."""
+    url, history = console
+    answered, missed = ACKS.answered, ACKS.missed
+    page.goto(url)
+    page.wait_for_selector("#model-status:has-text('Ready')", timeout=60_000)
+    set_run(page, PROMPT, NEW_TOKENS)
+    page.click("#run")
+    page.wait_for_selector("#speculative-panel .live-panel[data-final='yes']", timeout=300_000)
+    page.wait_for_selector("#baseline-panel .live-panel[data-final='yes']", timeout=60_000)
+    assert ACKS.missed == missed, "the page did not answer an update"
+    assert ACKS.answered - answered >= 4, "the page streamed updates that nobody waited for"
+
+
+def test_a_page_that_does_not_answer_is_waited_for_once(console):
+    """An API client has no page to draw: the first update waits ACK_WAIT_S for an answer, the rest do not."""
+    url, history = console
+    missed = ACKS.missed
+    updates, run = _through_page(url, history)
+    assert updates >= 4 and json.loads(run["comparison"])["identical"]
+    assert ACKS.missed == missed + 1

@@ -12,7 +12,8 @@ from engine.local_backend import LocalBackend
 from engine.request import Request
 from engine.events import RunResult, TokenKind
 from engine.metrics import compare
-from engine.models import ModelError, custom_preset, load
+from engine.models import ModelError, load
+from engine.presets import custom_preset
 from engine.sampling import SamplingParams
 from engine.weights import SOURCES, cache_dir, dequantized_dir, gguf_model
 from tests.conftest import CPU

@@ -1,7 +1,6 @@
 """The replay export: one saved run as a self-contained HTML file, played back offline in a real Chromium."""
 
 import json
-import os
 import re
 from collections import Counter
 from pathlib import Path
@@ -14,7 +13,7 @@ from engine.request import Request
 from specconsole.history import History
 from specconsole.replay import UnknownRun, payload, replay_html, write_replay
 from specconsole.runner import Comparison
-from tests.conftest import CHROMIUM, launch_chromium, run_to_end, skip_or_fail
+from tests.conftest import run_to_end
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 EVIL = "<script>alert(1)</script>"
@@ -122,18 +121,6 @@ def real_run(close_backend, tmp_path_factory):
         history.db.execute("UPDATE tokens SET text = ? WHERE run_id = ? AND engine = 'speculative' AND seq = ?",
                            [EVIL, comp.run_id, seq])
     return history, comp.run_id
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not os.path.exists(CHROMIUM):
-        skip_or_fail("Debian's chromium is not installed")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        browser = launch_chromium(pw)
-        yield browser
-        browser.close()
 
 
 PANEL_STATE = """() => [...document.querySelectorAll('.tokens')].map(box => ({

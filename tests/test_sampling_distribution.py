@@ -12,7 +12,7 @@ import torch
 from scipy.stats import chisquare
 
 import engine.local
-from engine.drafters import DraftModelProposer, HybridProposer, NgramProposer
+from engine.proposers import DraftModelProposer, HybridProposer, NgramProposer
 from engine.events import RunResult
 from engine.local import generate_speculative
 from engine.policy import DraftStop, PolicyConfig, SpecPolicy

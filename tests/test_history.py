@@ -1,0 +1,47 @@
+"""The history file (specconsole.history): a run its process left unfinished is interrupted, a damaged or unwritable
+file is a clear error, runs are deleted; and the CSV export's cells cannot run as formulas (specconsole.export)."""
+
+import sqlite3
+
+import pytest
+
+from specconsole.export import neutralise
+from specconsole.history import History, HistoryError
+
+
+def test_csv_cells_are_neutralised():
+    for cell in ["=1+1", "+SUM(A1)", "-2+3", "@cmd", "\tx"]:
+        assert neutralise(cell) == "'" + cell
+    assert neutralise("plain") == "plain" and neutralise(-3) == -3
+
+
+def test_interrupted_run_is_marked_at_next_start(tmp_path):
+    """A run whose process ended without finishing it (here: a real process that exits) is interrupted."""
+    import subprocess
+    import sys
+
+    code = f"from specconsole.history import History; print(History({str(tmp_path / 'h.db')!r}).start_run(prompt='x'))"
+    run_id = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
+    assert History(tmp_path / "h.db").run(run_id)["status"] == "interrupted"
+
+
+def test_corrupt_database_gives_a_clear_message(tmp_path):
+    bad = tmp_path / "bad.db"
+    bad.write_bytes(b"this is not a database" * 100)
+    with pytest.raises(HistoryError, match="cannot be used"):
+        History(bad)
+
+
+def test_unwritable_database_location(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(HistoryError):
+        History(blocker / "sub" / "h.db")
+
+
+def test_delete(tmp_path):
+    history = History(tmp_path / "h.db")
+    keep, gone = history.start_run(prompt="a"), history.start_run(prompt="b")
+    history.delete([gone])
+    assert [r["id"] for r in history.runs()] == [keep]
+    assert sqlite3.connect(tmp_path / "h.db").execute("PRAGMA journal_mode").fetchone()[0] == "wal"

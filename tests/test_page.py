@@ -1,0 +1,57 @@
+"""The page without a browser (specconsole.app, tab_run): it builds with its elements, greys out the settings the
+backend does not apply, and builds requests from the same defaults as launch.py."""
+
+import gradio as gr
+
+from specconsole.history import History
+
+
+def test_one_set_of_request_defaults():
+    """The page's controls, `launch.py demo` and `launch.py suite` build requests alike, from the same defaults."""
+    import argparse
+
+    import launch
+    from engine import request as r
+
+    demo = argparse.ArgumentParser()
+    launch.add_request_args(demo)
+    assert launch.build_request(demo.parse_args([]), "p", "draft") == r.build_request("p")
+    suite = argparse.ArgumentParser()
+    launch.add_request_args(suite, suite=True)
+    assert launch.build_request(suite.parse_args([]), "", "draft") == r.build_request(
+        "", max_new_tokens=r.SUITE_MAX_NEW_TOKENS)
+    req = r.build_request("p", max_new_tokens=12.0, seed="", k=20.0, method="ngram", draft_confidence=0.5,
+                          draft_vocab=4096.0)
+    assert (req.max_new_tokens, req.sampling.seed, req.k, req.k_max, req.draft_confidence, req.draft_vocab) == (
+        12, None, 20, 20, 0.0, 0)
+    assert r.build_request("p", method="hybrid", draft_vocab=4096.0).draft_vocab == 4096
+    assert r.build_request("p", draft_vocab=None).draft_vocab == 0  # an emptied number box
+
+
+def test_page_greys_out_what_the_backend_does_not_apply(backend):
+    from specconsole.host import ModelHost
+    from specconsole.tab_run import DRAFTING_CONTROLS, backend_view
+    from tests.test_workbench import ServerLike
+
+    host = ModelHost("x", lambda p: None)
+    assert all(u == gr.skip() for u in backend_view(host))  # still loading: nothing changes yet
+    host.backend = ServerLike(backend)
+    *controls, section, compare = backend_view(host)
+    assert len(controls) == len(DRAFTING_CONTROLS)
+    assert all(u["interactive"] is False and "set by the vLLM server (eagle)" in u["info"] for u in controls)
+    assert section["visible"] is False  # attached servers cannot be reconfigured from the page
+    assert compare == gr.skip()  # not fixed variants: the presets stay
+    host.backend = backend
+    *controls, section, compare = backend_view(host)
+    assert all(u["interactive"] is True for u in controls) and section["visible"] is False
+
+
+def test_the_page_builds_with_its_elements(tmp_path):
+    from specconsole.app import build
+    from specconsole.host import ModelHost
+
+    app = build(ModelHost("not loaded", lambda p: None), History(tmp_path / "h.db"))
+    ids = {getattr(b, "elem_id", None) for b in app.blocks.values()}
+    assert {"model-status", "prompt", "run", "stop", "temperature", "max-new", "baseline-panel", "speculative-panel",
+            "figures", "chart-steps", "history-table", "export-all", "open-run", "run-suite", "suite-status",
+            "export-suite", "suite-files", "one-at-a-time"} <= ids

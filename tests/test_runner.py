@@ -1,0 +1,169 @@
+"""A comparison run by specconsole.runner on the tiny backend: saved and rebuilt alike, fair mode's clocks, Stop, one
+engine's error, a busy machine, the page's turn at the lock, and the meta saved with the run."""
+
+import threading
+import time
+
+import pandas as pd
+import pytest
+
+from engine.request import Request
+from specconsole import charts
+from specconsole.export import export_csv
+from specconsole.history import History
+from specconsole.render import figures_html, tokens_html
+from specconsole.runner import Comparison, EngineClock
+from tests.conftest import PassLog, run_to_end
+
+
+@pytest.mark.parametrize("mode", ["fair", "race"])
+def test_comparison_saved_and_rebuilt(backend, tmp_path, mode):
+    history = History(tmp_path / "h.db")
+    req = Request(prompt="=cmd|' /C calc'!A0 <script>", max_new_tokens=24, method="draft", k=3)
+    meta = {"category": "code", "backend": "local", "method": "draft"}
+    comp = run_to_end(Comparison(backend, req, mode, history, meta))
+    assert comp.status == "completed"
+    c = comp.comparison()
+    assert c["identical"] is True
+
+    row = history.run(comp.run_id)
+    assert row["status"] == "completed" and row["mode"] == mode and row["identical"] == 1
+    rebuilt = history.results(comp.run_id)
+    live = comp.results
+    for engine in ("baseline", "speculative"):
+        assert [t.to_dict() for t in rebuilt[engine].tokens] == [t.to_dict() for t in live[engine].tokens]
+        assert rebuilt[engine].steps == live[engine].steps
+    # the same HTML and figures come out of a rebuilt run
+    assert tokens_html(rebuilt["speculative"].tokens) == tokens_html(live["speculative"].tokens)
+    fig = charts.tokens_over_time(rebuilt["baseline"], rebuilt["speculative"])
+    assert [len(t.x) for t in fig.data] == [24, 24]
+    assert "speedup" in figures_html(rebuilt["baseline"], rebuilt["speculative"], c, mode, None)
+
+    summary, tokens = export_csv(history, tmp_path / "out")
+    runs = pd.read_csv(summary)
+    assert list(runs["id"]) == [comp.run_id] and runs.loc[0, "prompt"].startswith("'=cmd")
+    toks = pd.read_csv(tokens, keep_default_na=False)
+    assert set(toks["engine"]) == {"baseline", "speculative"}
+    assert len(toks) == len(live["baseline"].tokens) + len(live["speculative"].tokens)
+
+
+def test_fair_mode_clocks_exclude_the_other_engine(backend):
+    """Each engine's clock stands still while the other engine computes: read before and after every event of the
+    other, it has not moved. Each total is on the engine's own clock and holds its own passes."""
+    req = Request(prompt="hello there", max_new_tokens=40, method="draft", k=2)
+    comp = Comparison(backend, req, "fair", None, {})
+    log = PassLog(backend, {id(req): "speculative"})
+    comp.backend = log
+    run_to_end(comp)
+    assert log.watched["baseline"] >= 80 and log.watched["speculative"] >= 40  # a token and a step per pass
+    assert log.moved == [], log.moved[:5]
+    for engine, r in comp.results.items():
+        own = sum(st.verify_ms + st.draft_ms for st in r.steps) / 1000
+        assert own <= r.total_s <= log.clocks[engine](), engine
+
+
+def test_engine_clock_pauses():
+    clock = EngineClock()
+    clock.resume()
+    clock.pause()
+    frozen = clock()
+    assert clock() == frozen
+
+
+def test_cancel_keeps_a_cancelled_run(backend, tmp_path):
+    history = History(tmp_path / "h.db")
+    req = Request(prompt="hello", max_new_tokens=4000 // 20, method="draft", k=2)
+    comp = Comparison(backend, req, "fair", history, {"category": "chat"})
+    comp.cancel.set()
+    run_to_end(comp)
+    assert comp.status == "cancelled"
+    assert history.run(comp.run_id)["status"] == "cancelled"
+
+
+def test_engine_error_fails_one_panel_and_saves(backend, tmp_path, monkeypatch):
+    history = History(tmp_path / "h.db")
+    original = backend.speculative
+
+    def broken(req, cancel=None, clock=None):
+        gen = original(req, cancel, clock)
+        yield next(gen)
+        raise RuntimeError("the draft fell over")
+
+    monkeypatch.setattr(backend, "speculative", broken)
+    comp = run_to_end(Comparison(backend, Request(prompt="hi", max_new_tokens=12, k=2), "fair", history, {}))
+    assert comp.results["baseline"].finish_reason == "length"  # the other engine finished
+    assert "the draft fell over" in comp.results["speculative"].error
+    row = history.run(comp.run_id)
+    assert row["status"] == "failed" and "the draft fell over" in row["error"]
+
+
+def test_busy_machine_marks_the_run_noisy():
+    """Another process that takes a core during the run makes its timings suspect, and the figures say so."""
+    import subprocess
+    import sys
+    import time
+
+    from specconsole.machine import MachineLoad
+
+    load = MachineLoad()
+    spin = "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass"
+    hog = subprocess.Popen([sys.executable, "-c", spin])
+    hog.wait()
+    time.sleep(0.05)
+    result = load.result()
+    assert result["noisy"] and result["other_cores"] > 0.5, result
+    assert "other processes used" in result["noise"]
+    html = figures_html(None, None, result, "fair", None)
+    assert "machine during the run" in html and "noisy" in html
+
+
+def test_noisy_flag_is_saved_and_exported(backend, tmp_path):
+    history = History(tmp_path / "h.db")
+    req = Request(prompt="hello", max_new_tokens=8, method="draft", k=2)
+    comp = run_to_end(Comparison(backend, req, "fair", history, {"category": "chat"}))
+    c = comp.comparison()
+    assert {"noisy", "other_cores", "load_average"} <= c.keys()
+    assert history.run(comp.run_id)["noisy"] == int(c["noisy"])
+    summary, _ = export_csv(history, tmp_path / "csv")
+    assert pd.read_csv(summary).loc[0, "noisy"] == int(c["noisy"])
+
+
+def test_ui_lock_is_taken_in_turn_so_an_engine_cannot_starve_the_page():
+    """The fair-mode engine thread takes ui_lock around every pass, back to back. The page (and the saves that keep
+    a killed run's tokens) must get its turn after at most one more pass, however eager the engine is."""
+    from specconsole.runner import TurnLock
+
+    lock, passes, stop = TurnLock(), [], threading.Event()
+
+    def engine():
+        while not stop.is_set():
+            with lock:
+                passes.append(1)
+                time.sleep(0.002)
+
+    t = threading.Thread(target=engine)
+    t.start()
+    try:
+        waits = []
+        for _ in range(30):
+            before = len(passes)
+            with lock:
+                assert lock.locked()
+                waits.append(len(passes) - before)
+    finally:
+        stop.set()
+        t.join()
+    assert not lock.locked()
+    assert max(waits) <= 1, f"passes the page waited for: {waits}"
+
+
+def test_run_meta_is_what_actually_ran(backend):
+    """The method saved with a run: the request's where the backend applies it, else the server's."""
+    from specconsole.runner import run_meta
+    from tests.test_workbench import ServerLike
+
+    assert run_meta(backend, Request(prompt="x", method="ngram")) | {"target_model": ""} == {
+        "backend": "local", "target_model": "", "draft_model": None, "method": "ngram"}
+    assert run_meta(backend, Request(prompt="x", method="draft"))["draft_model"] == "tiny-draft"
+    served = run_meta(ServerLike(backend), Request(prompt="x", method="draft"))
+    assert served["method"] == "eagle" and served["draft_model"] == "/m/eagle"
