@@ -27,8 +27,8 @@ log = logging.getLogger("specconsole")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    from engine.optimize import MIN_ROWS
-    from engine.precision import PRECISIONS
+    from engine.exact.optimize import MIN_ROWS
+    from engine.exact.precision import PRECISIONS
     from engine.presets import DEFAULT_PRESET, PRESETS
 
     p.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS), help="models to load")
@@ -46,8 +46,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def add_request_args(p: argparse.ArgumentParser, suite: bool = False) -> None:
     """The run's settings, with the defaults of engine.request (the page's controls start from the same)."""
     from engine import request as r
+    from engine.methods import METHODS
 
-    p.add_argument("--method", default=None, choices=r.METHODS, help="default: the preset's")
+    p.add_argument("--method", default=None, choices=METHODS, help="default: the preset's")
     p.add_argument("--k", type=int, default=r.DEFAULT_K, help="draft tokens per step")
     p.add_argument("--dynamic-k", action=argparse.BooleanOptionalAction, default=r.DEFAULT_DYNAMIC_K,
                    help="draft length per step from measured costs (a draft model stops token by token)")
@@ -92,7 +93,7 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_llamacpp_args(p: argparse.ArgumentParser) -> None:
-    from engine.llamacpp_server import METHODS
+    from engine.llamacpp.server import METHODS
 
     p.add_argument("--llamacpp-method", choices=sorted(METHODS),
                    help="llama.cpp's drafting (default: draft with the preset's draft GGUF, else ngram-simple)")
@@ -133,7 +134,7 @@ def check_limits(args, prompt: str) -> None:
 def demo(args) -> int:
     """One prompt on the baseline and the speculative engine (or, with --compare or a backend's extra servers, every
     variant), streamed to the terminal; then the figures and the checks (specconsole.terminal)."""
-    from engine.sampling import SettingsError
+    from engine.limits import SettingsError
     from specconsole import terminal
     from specconsole.variants import choose, parse_compare
 
@@ -195,7 +196,7 @@ def console(args) -> int:
 
     # Managed vLLM servers stop with the console however it ends: Ctrl-C ends launch(); SIGTERM and SIGHUP (whose
     # default would end the process without cleaning up) and exceptions end it through the finally; sys.exit
-    # elsewhere through atexit. If the console is killed outright, each server's guard stops it (engine.vllm_server).
+    # elsewhere through atexit. If the console is killed outright, each server's guard stops it (engine.vllm.server).
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _exit_on_signal)
     atexit.register(host.close)
@@ -353,8 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = p.parse_known_args(argv)
     if unknown:  # said by the subcommand's parser, with its usage, as when it parses alone
         commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
-    from engine.models import ModelError
-    from engine.sampling import SettingsError
+    from engine.loading.models import ModelError
+    from engine.limits import SettingsError
     from engine.setup import setup
 
     setup()  # process-wide settings (warning filters, httpx log redaction, the rowwise attention): engine.setup

@@ -1,6 +1,6 @@
-"""Calibrates the sampling check (engine.check) on the local engine, whose sampler is tested to be lossless.
+"""Calibrates the sampling check (engine.analysis.check) on the local engine, whose sampler is tested to be lossless.
 
-    python -m benchmarks.calibrate_check --prompts 4 --out /tmp/calibration.json     # what engine/check.py quotes
+    python -m benchmarks.calibrate_check --prompts 4 --out /tmp/calibration.json     # what engine/analysis/check.py quotes
     python -m benchmarks.calibrate_check --categories chat --out /tmp/more.json        # some categories only
     python -m benchmarks.calibrate_check --load /tmp/calibration.json /tmp/more.json   # the table from saved scores
 
@@ -21,11 +21,11 @@ import sys
 from itertools import product
 from pathlib import Path
 
-from engine.local_backend import LocalBackend
+from engine.exact.backend import LocalBackend
 from engine.request import Request
-from engine.check import ABSURD_NLL, MIN_TOKENS, Z_MIN, copy_fraction, nll_margin, nll_stats, verdict, z_score
+from engine.analysis.check import ABSURD_NLL, MIN_TOKENS, Z_MIN, copy_fraction, nll_margin, nll_stats, verdict, z_score
 from engine.events import RunResult
-from engine.sampling import SamplingParams
+from engine.exact.sampling import SamplingParams
 from engine.setup import setup
 from specconsole.suites import categories, load_suite
 

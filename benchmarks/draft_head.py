@@ -1,9 +1,9 @@
-"""Micro-benchmark of FR-Spec's pruned draft head (engine.vocab): one draft step, full output layer vs pruned.
+"""Micro-benchmark of FR-Spec's pruned draft head (engine.exact.vocab): one draft step, full output layer vs pruned.
 
     python -m benchmarks.draft_head                      # the default draft: Qwen2.5-Coder-0.5B, int8
     python -m benchmarks.draft_head --sizes 8192 32768 --steps 100
 
-Loads the draft once. Timing: a warm KV cache of --context tokens (the start of engine/proposers.py: code and
+Loads the draft once. Timing: a warm KV cache of --context tokens (the start of engine/exact/proposers.py: code and
 English), then one token per step, the cache cropped back after each; the configurations take turns step by step,
 so that a drift in the machine's speed favours none. Coverage: the draft's own greedy continuations of the first
 prompt of a few in-repo suites (not HumanEval / MT-Bench), full layer; per position the share of the draft's
@@ -22,11 +22,11 @@ import time
 import torch
 
 from benchmarks.timing import code_context, forward_ms_in_turns
-from engine.forward import forward, new_cache
-from engine.models import load
+from engine.exact.forward import forward, new_cache
+from engine.loading.models import load
 from engine.prompts import encode_prompt
 from engine.setup import setup
-from engine.vocab import kept_ids, prune_head, token_ranking
+from engine.exact.vocab import kept_ids, prune_head, token_ranking
 
 log = logging.getLogger("draft_head")
 DRAFT = "qwen2.5-coder-0.5b-instruct"

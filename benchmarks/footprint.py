@@ -56,7 +56,7 @@ def child(preset_name: str) -> None:
         pass
     else:
         setup()
-    from engine.local_backend import LocalBackend
+    from engine.exact.backend import LocalBackend
     from engine.request import Request
 
     backend = LocalBackend.from_preset(preset_name)
@@ -127,7 +127,7 @@ def console_start(preset: str, cache: Path, code: Path) -> float:
 def preset_files(preset: str, cache: Path) -> dict[str, int]:
     """Bytes on disk per kind of file the preset uses (hard links counted once per path, as du would)."""
     from engine.presets import PRESETS
-    from engine.weights import SOURCES
+    from engine.loading.weights import SOURCES
 
     p = PRESETS[preset]
     sizes = {"gguf": 0, "gguf-meta": 0, "wheels": 0, "legacy float32 (models/)": 0}
@@ -162,7 +162,7 @@ def main() -> None:
         return child(args.child)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     sys.path.insert(0, str(ROOT))
-    from engine.weights import SOURCES, cache_dir
+    from engine.loading.weights import SOURCES, cache_dir
 
     cache = cache_dir()
     log.info("machine: %s", machine())

@@ -8,7 +8,7 @@
 On the preset's GGUF files (the same files `launch.py --backend llamacpp` loads): a llama.cpp engine without
 speculation (llama.cpp plain) and one llama.cpp engine per `--spec` configuration (default: the draft model at
 K=4, where the preset has one, and an n-gram type), each its own llama.cpp server, one after the other with all
-the machine's cores (engine.llamacpp_backend). With --ours, our local engine (the preset's models as the page
+the machine's cores (engine.llamacpp.backend). With --ours, our local engine (the preset's models as the page
 loads them, the page's default settings) runs its baseline and speculative engines on the same prompts in the
 same repeats, so that "ours / llama.cpp plain" is a within-repeat ratio from one run.
 
@@ -33,14 +33,14 @@ from dataclasses import replace
 
 from benchmarks.speed import (NOISE_WARNING, _cell, _median, add_sample_args, describe_prompts, groups, machine,
                               run_engine, sample_plan, with_ci)
-from engine.llamacpp_backend import LlamaCppBackend
-from engine.llamacpp_server import DRAFT_MODEL_METHODS, EngineConfig, LlamaCppError, parse_method
+from engine.llamacpp.backend import LlamaCppBackend
+from engine.llamacpp.server import DRAFT_MODEL_METHODS, EngineConfig, LlamaCppError, parse_method
 from engine.metrics import compare
 from engine.presets import PRESETS
 from engine.request import Request
 from engine.setup import setup
-from engine.vllm_backend import MAX_EXTRA, extra_engine
-from engine.weights import gguf_model
+from engine.vllm.backend import MAX_EXTRA, extra_engine
+from engine.loading.weights import gguf_model
 
 log = logging.getLogger("benchmarks.llamacpp")
 
@@ -49,7 +49,7 @@ OURS = ("ours_baseline", "ours_speculative")
 
 
 def llamacpp_configs(spec: str, target: str, draft: str | None, threads: int) -> list[EngineConfig]:
-    """One speculative EngineConfig per `--spec` entry (engine.llamacpp_server.parse_method's syntax)."""
+    """One speculative EngineConfig per `--spec` entry (engine.llamacpp.server.parse_method's syntax)."""
     base = EngineConfig("speculative", target, threads=threads)
     configs = [parse_method(part, base) for part in spec.split(",") if part.strip()]
     if not 1 <= len(configs) <= 1 + MAX_EXTRA:
@@ -191,7 +191,7 @@ def main(argv=None) -> int:
         if args.ours:
             import torch
 
-            from engine.local_backend import LocalBackend
+            from engine.exact.backend import LocalBackend
 
             torch.set_num_threads(args.threads)  # the same cores as each llama.cpp engine
             backends["ours"] = LocalBackend.from_preset(args.preset)

@@ -1,5 +1,5 @@
 """Padded vs unpadded target passes, end to end: the baseline and our speculative engine, each with the target's
-short passes padded to engine.optimize.MIN_ROWS rows and not padded, side by side in one process.
+short passes padded to engine.exact.optimize.MIN_ROWS rows and not padded, side by side in one process.
 
     python -m benchmarks.padding                        16 MT-Bench prompts (2 per category), sample seed 0
     python -m benchmarks.padding --mtbench-prompts 8 --humaneval-prompts 8
@@ -23,8 +23,8 @@ import time
 from tqdm import tqdm
 
 from benchmarks.speed import add_sample_args, describe_prompts, machine, run_engine, sample_plan, with_ci
-from engine.local_backend import LocalBackend
-from engine.optimize import MIN_ROWS, PackedLinear
+from engine.exact.backend import LocalBackend
+from engine.exact.optimize import MIN_ROWS, PackedLinear
 from engine.presets import DEFAULT_PRESET, PRESETS
 from engine.request import build_request
 from engine.setup import setup

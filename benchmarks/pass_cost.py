@@ -1,14 +1,14 @@
 """Micro-benchmark: how long one target forward pass over m tokens takes, m = 1 (a plain step) to k_max + 1 (a full
-verify), the curve that the per-token draft stop reads (engine.policy: verify(m), learned per m during runs).
+verify), the curve that the per-token draft stop reads (engine.exact.policy: verify(m), learned per m during runs).
 
     python -m benchmarks.pass_cost                       # the default target: Qwen2.5-Coder-1.5B, prepacked float32
     python -m benchmarks.pass_cost --sizes 1 2 3 4 8 17 --rounds 20
     python -m benchmarks.pass_cost --min-rows 5 1         # padded to 5 rows (the engines' default) and unpadded
 
-Loads the target once, as the engine does. A warm KV cache of --context tokens (the start of engine/proposers.py),
+Loads the target once, as the engine does. A warm KV cache of --context tokens (the start of engine/exact/proposers.py),
 then one pass of m tokens, the cache cropped back after it; the sizes take turns round by round, so that a drift in
 the machine's speed favours none. Prints the median ms per m and its ratio to a plain step (m = 1). With several
---min-rows, each m is also timed with the target's short passes padded to each of them (engine.optimize.MIN_ROWS),
+--min-rows, each m is also timed with the target's short passes padded to each of them (engine.exact.optimize.MIN_ROWS),
 in the same turns. On a shared machine the times are noisy; run it alone.
 """
 
@@ -22,9 +22,9 @@ import sys
 import torch
 
 from benchmarks.timing import code_context, forward_ms_in_turns
-from engine.forward import forward
-from engine.models import load
-from engine.optimize import MIN_ROWS, PackedLinear
+from engine.exact.forward import forward
+from engine.loading.models import load
+from engine.exact.optimize import MIN_ROWS, PackedLinear
 from engine.setup import setup
 
 TARGET = "qwen2.5-coder-1.5b-instruct"

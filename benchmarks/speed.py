@@ -33,15 +33,16 @@ from pathlib import Path
 
 import torch
 
-from engine.local_backend import LocalBackend
-from engine.request import METHODS, Request
+from engine.exact.backend import LocalBackend
+from engine.methods import METHODS
+from engine.request import Request
 from engine.events import RunResult
 from engine.metrics import compare, first_divergence
 from engine.presets import PRESETS
 from engine.prompts import encode_prompt
-from engine.optimize import MIN_ROWS
+from engine.exact.optimize import MIN_ROWS
 from engine.setup import setup
-from engine.stats import bootstrap_ci
+from engine.analysis.stats import bootstrap_ci
 from specconsole.suites import EXTERNAL_SUITES, SuitePrompt, categories, load_external, load_suite
 
 log = logging.getLogger("benchmarks.speed")

@@ -37,15 +37,15 @@ from tqdm import tqdm
 from benchmarks.pass_cost import pass_ms
 from benchmarks.speed import add_sample_args, describe_prompts, machine, sample_plan, with_ci
 from benchmarks.timing import code_context
-from engine.proposers import DraftModelProposer, NgramProposer
+from engine.exact.proposers import DraftModelProposer, NgramProposer
 from engine.events import StepRecord
-from engine.local import generate_baseline
-from engine.local_backend import LocalBackend
-from engine.policy import SpecPolicy
+from engine.exact.decode import generate_baseline
+from engine.exact.backend import LocalBackend
+from engine.exact.policy import SpecPolicy
 from engine.presets import DEFAULT_PRESET, PRESETS
 from engine.prompts import encode_prompt
 from engine.request import DEFAULT_DRAFT_CONFIDENCE, build_request
-from engine.sampling import SamplingParams
+from engine.exact.sampling import SamplingParams
 from engine.setup import setup
 from engine.stops import StopConditions
 

@@ -1,5 +1,5 @@
-"""The target's Linears in float32 (engine.optimize.PackedLinear, the reference) against fewer bytes a weight: float16
-(engine.precision.HalfLinear) and two weight-only int8 candidates torch has, side by side in one process.
+"""The target's Linears in float32 (engine.exact.optimize.PackedLinear, the reference) against fewer bytes a weight: float16
+(engine.exact.precision.HalfLinear) and two weight-only int8 candidates torch has, side by side in one process.
 
     python -m benchmarks.target_precision                     # layers: 6 blocks of Qwen2.5-1.5B's Linear shapes
     python -m benchmarks.target_precision --rows 1 5 9 17 64 --repeats 9
@@ -28,7 +28,7 @@ import time
 import torch
 from torch import nn
 
-from engine.optimize import linear_converter
+from engine.exact.optimize import linear_converter
 from engine.setup import setup
 
 log = logging.getLogger("benchmarks.target_precision")
@@ -145,10 +145,10 @@ def in_turns(generators: list) -> list:
 
 
 def compare_models(prompts: list[str], tokens: int, out) -> None:
-    from engine.local import generate_baseline
-    from engine.models import load
+    from engine.exact.decode import generate_baseline
+    from engine.loading.models import load
     from engine.prompts import encode_prompt
-    from engine.sampling import SamplingParams
+    from engine.exact.sampling import SamplingParams
     from engine.stops import StopConditions
 
     models = {p: load(TARGET, "target", torch.device("cpu"), precision=p) for p in ("float32", "float16")}

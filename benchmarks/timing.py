@@ -6,11 +6,11 @@ import time
 from pathlib import Path
 from typing import Callable, Hashable
 
-from engine.forward import forward, new_cache, rollback
+from engine.exact.forward import forward, new_cache, rollback
 
 
 def code_context(tokenizer, n: int) -> list[int]:
-    """The first n tokens of engine/proposers.py (code, comments and English docstrings)."""
+    """The first n tokens of engine/exact/proposers.py (code, comments and English docstrings)."""
     source = (Path(__file__).resolve().parent.parent / "engine" / "proposers.py").read_text()
     return tokenizer(source, add_special_tokens=False)["input_ids"][:n]
 

@@ -5,8 +5,8 @@ draft proposes, the target verifies). Both stream the events of engine.events an
 the console, the workbench, the model host and `launch.py` need from a backend is in `Backend` below; what differs
 between backends is said in `Capabilities`, never probed with getattr/hasattr.
 
-Implementations: engine.local_backend.LocalBackend (our exact engines, in this process) and
-engine.vllm_backend.VLLMBackend (real vLLM servers over HTTP; engine.vllm_client streams their answers).
+Implementations: engine.exact.backend.LocalBackend (our exact engines, in this process) and
+engine.vllm.backend.VLLMBackend (real vLLM servers over HTTP; engine.vllm.client streams their answers).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The one event vocabulary that flows from the engines to the pixels and to the database.
 
 Token kinds: accepted, rejected, recovered and bonus tokens, and which of them are output tokens, are defined once, in
-engine.sampling (where verification decides them; the terms follow Leviathan et al. and vLLM's rejection sampler).
+engine.exact.sampling (where verification decides them; the terms follow Leviathan et al. and vLLM's rejection sampler).
 Two kinds more:
 
     baseline   a token from plain decoding: one target forward pass, one token, no draft involved (the

@@ -1,13 +1,13 @@
 """The local engine's drafting methods, in one registry, and the command line's spelling of a drafting configuration.
 
-PROPOSERS maps each method name (Request.method, `--method`, `--compare`) to its engine.proposers.Proposer and what
+PROPOSERS maps each method name (Request.method, `--method`, `--compare`) to its engine.exact.proposers.Proposer and what
 it needs: Request validation, the local backend and the page's choices all read it. A new method is one Proposer
 class (with a `build` classmethod), its line here, and its tests.
 
 `method[:name=value][:flag]`, a comma list of them, is how `--compare`, `--vllm-compare` and `--llamacpp-compare`
 spell configurations; parse_specs splits it, and each caller says which options it takes (Spec.values).
 
-Torch-free: the proposers (engine.proposers needs torch) are imported only when a run builds one.
+Torch-free: the proposers (engine.exact.proposers needs torch) are imported only when a run builds one.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.proposers import Draft, Proposer
+    from engine.exact.proposers import Draft, Proposer
     from engine.request import Request
 
 
@@ -38,10 +38,10 @@ class Method:
 
 
 PROPOSERS = {
-    "draft": Method("draft", needs_draft=True, proposer="engine.proposers:DraftModelProposer"),
-    "ngram": Method("n-gram", needs_draft=False, proposer="engine.proposers:NgramProposer"),
+    "draft": Method("draft", needs_draft=True, proposer="engine.exact.proposers:DraftModelProposer"),
+    "ngram": Method("n-gram", needs_draft=False, proposer="engine.exact.proposers:NgramProposer"),
     # n-gram lookup where the text repeats, the draft model elsewhere
-    "hybrid": Method("hybrid", needs_draft=True, proposer="engine.proposers:HybridProposer"),
+    "hybrid": Method("hybrid", needs_draft=True, proposer="engine.exact.proposers:HybridProposer"),
 }
 METHODS = tuple(PROPOSERS)  # the choices of the page and the command line
 

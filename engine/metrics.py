@@ -75,7 +75,7 @@ def run_metrics(r: RunResult) -> dict:
 
 def _tree_accepted(tokens) -> int:
     """Steps that accepted a token at a position where they refused the draft: one of the token tree's alternatives
-    took its place (engine.local; a chain alone accepts nothing from its first refused position on)."""
+    took its place (engine.exact.decode; a chain alone accepts nothing from its first refused position on)."""
     refused = {(t.step, t.position) for t in tokens if t.kind == TokenKind.REJECTED}
     return len({t.step for t in tokens if t.kind == TokenKind.ACCEPTED and (t.step, t.position) in refused})
 

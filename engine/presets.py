@@ -9,7 +9,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Preset:
     name: str
-    target: str  # a name in engine.weights.SOURCES, a transformers model directory, or a .gguf file
+    target: str  # a name in engine.loading.weights.SOURCES, a transformers model directory, or a .gguf file
     draft: str | None  # None: n-gram prompt lookup drafts
     method: str  # the drafting method runs start with: "draft" | "ngram" | "hybrid"
     description: str

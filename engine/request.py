@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.limits import MAX_K, MAX_NEW_TOKENS, MAX_TEMPERATURE, SettingsError, check_range
-from engine.methods import METHODS, PROPOSERS, needs_draft  # noqa: F401 - METHODS: where importers take it from
-from engine.policy import PolicyConfig
+from engine.methods import PROPOSERS, needs_draft
+from engine.exact.policy import PolicyConfig
 
 # hybrid drafting looks the text up when at least this many tokens repeat verbatim, as prompt-lookup decoding's
 # default n-gram size: one or two tokens ("the", ", ") recur everywhere and would overrule a better draft model
@@ -50,7 +50,7 @@ class Request:
     draft_confidence: float = 0.0  # stop drafting after a token the draft itself gives less than this (0 = off)
     per_token: bool = True  # with dynamic K, a draft model stops by policy.DraftStop (False: K from the i.i.d. model)
     verify_curve: bool = True  # DraftStop reads each length's measured verify cost (False: linear in length)
-    token_tree: bool = True  # greedy, local: a short pass's free rows verify the draft's alternatives (engine.tree)
+    token_tree: bool = True  # greedy, local: a short pass's free rows verify the draft's alternatives (engine.exact.tree)
     ngram_min: int = 1
     ngram_max: int = 4
     hybrid_min_match: int = HYBRID_MIN_MATCH  # hybrid: the shortest n-gram match that is trusted over the draft model

@@ -11,17 +11,17 @@ def setup() -> None:
     """Make the settings; idempotent (each one replaces itself or is made once). Imports torch and transformers."""
     from transformers import AttentionInterface
 
-    from engine.http_safety import RedactURLs
-    from engine.optimize import rowwise_attention
+    from engine.serving.http_safety import RedactURLs
+    from engine.exact.optimize import rowwise_attention
 
     # Set once for the process, not with catch_warnings around each call: that is not thread-safe, and the draft
     # loads beside the target. torch marks its quantized tensors deprecated; they are what its int8 Linears run on.
     warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
-    # torch warns on tensors over read-only arrays (a mapped GGUF file, engine.gguf_dequant): ours are only read.
+    # torch warns on tensors over read-only arrays (a mapped GGUF file, engine.loading.gguf_dequant): ours are only read.
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
     # httpx logs every request's URL at INFO: its credentials must not reach the console's log
     httpx_log = logging.getLogger("httpx")
     if not any(isinstance(f, RedactURLs) for f in httpx_log.filters):
         httpx_log.addFilter(RedactURLs())
-    # the attention that engine.optimize's prepare_target / finish name in the model's config
+    # the attention that engine.exact.optimize's prepare_target / finish name in the model's config
     AttentionInterface.register("rowwise", rowwise_attention)

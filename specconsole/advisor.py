@@ -1,6 +1,6 @@
 """Is speculative decoding worth it for this workload? Verdicts per category from the measured interval only.
 
-The verdict comes from the 95 % bootstrap interval of the category's median speedup over prompts (engine/stats.py):
+The verdict comes from the 95 % bootstrap interval of the category's median speedup over prompts (engine/analysis/stats.py):
 - enable: the interval's lower bound is at least 1.05x;
 - don't: its upper bound is below 1.00x (speculation is measurably slower);
 - undecided: anything between, and always with fewer than 3 prompts. The advice then says how many prompts the
@@ -20,7 +20,7 @@ from statistics import median
 
 import pandas as pd
 
-from engine.stats import log_spread, prompts_needed
+from engine.analysis.stats import log_spread, prompts_needed
 from specconsole.markup import md
 
 ENABLE_AT = 1.05  # the interval's lower bound must clear this: a smaller gain is not worth a second engine path

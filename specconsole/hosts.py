@@ -21,7 +21,7 @@ def backend_host(args) -> ModelHost:
 
 
 def local_host(args) -> ModelHost:
-    from engine.local_backend import LocalBackend
+    from engine.exact.backend import LocalBackend
 
     preset = preset_of(args)
     label = f"local: target {preset.target}, draft {preset.draft or 'n-gram prompt lookup'}"
@@ -39,10 +39,10 @@ def llamacpp_host(args) -> ModelHost:
     from dataclasses import replace
 
     from engine.backend import MAX_EXTRA
-    from engine.http_safety import redact
-    from engine.llamacpp_backend import LlamaCppBackend
-    from engine.llamacpp_server import DRAFT_MODEL_METHODS, EngineConfig, LlamaCppError, check_build, parse_method
-    from engine.weights import SOURCES, gguf_model
+    from engine.serving.http_safety import redact
+    from engine.llamacpp.backend import LlamaCppBackend
+    from engine.llamacpp.server import DRAFT_MODEL_METHODS, EngineConfig, LlamaCppError, check_build, parse_method
+    from engine.loading.weights import SOURCES, gguf_model
 
     if args.llamacpp_attach:
         urls = args.llamacpp_attach.split(",")
@@ -84,11 +84,11 @@ def llamacpp_host(args) -> ModelHost:
 def vllm_host(args) -> ModelHost:
     """vLLM servers: attached (--vllm-attach) or started on the preset's target, one per speculative config."""
     from engine.backend import MAX_EXTRA
-    from engine.http_safety import redact
-    from engine.models import resolve
-    from engine.vllm_backend import VLLMBackend, memory_shares
-    from engine.vllm_config import parse_configs, speculative_config
-    from engine.vllm_server import VLLMError, has_gpu
+    from engine.serving.http_safety import redact
+    from engine.loading.models import resolve
+    from engine.vllm.backend import VLLMBackend, memory_shares
+    from engine.vllm.config import parse_configs, speculative_config
+    from engine.vllm.server import VLLMError, has_gpu
 
     api_key = os.environ.get(args.vllm_api_key_env) or None
     try:

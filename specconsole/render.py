@@ -17,7 +17,7 @@ KIND_HELP = {
     TokenKind.REJECTED: "rejected: draft text the target refused (not part of the answer)",
     TokenKind.PENDING: "pending: streamed by the server, classified when the request ends",
 }
-# a vLLM token's kind guessed while streaming (engine.vllm_steps.ChunkGuess), before the server's counts confirm it
+# a vLLM token's kind guessed while streaming (engine.vllm.steps.ChunkGuess), before the server's counts confirm it
 PROVISIONAL_NOTE = "provisional: from chunk boundaries"
 
 
@@ -108,7 +108,7 @@ def _bound_unknown(speculative: RunResult | None, comparison: dict) -> bool:
 
 
 def _sampling_check_rows(comparison: dict) -> list[tuple[str, str]]:
-    """The sampling check of a sampled run (engine.check) and the likelihoods it rests on."""
+    """The sampling check of a sampled run (engine.analysis.check) and the likelihoods it rests on."""
     if not comparison.get("sampling_check") and not comparison.get("sampling_check_reason"):
         return []  # greedy (checked token for token), or not finished yet
     status = comparison["sampling_check"]
@@ -124,7 +124,7 @@ def _sampling_check_rows(comparison: dict) -> list[tuple[str, str]]:
 
 
 def _provisional_figure(s: dict) -> str:
-    """How often the kinds guessed while streaming were the final ones (engine.vllm_steps.provisional_accuracy)."""
+    """How often the kinds guessed while streaming were the final ones (engine.vllm.steps.provisional_accuracy)."""
     if "provisional_accuracy" not in s:
         return "–"  # still streaming, or a run that ended in an error
     if s["provisional_accuracy"] is None:

@@ -31,7 +31,7 @@ import time
 from dataclasses import asdict, replace
 
 from engine.backend import ENGINES, MAX_EXTRA, extra_engine
-from engine.check import sampling_check
+from engine.analysis.check import sampling_check
 from engine.events import Event, PolicyEvent, Reclassified, RunResult, StepRecord, TokenEvent
 from engine.metrics import compare, run_metrics
 from specconsole.history import EventLog, History, HistoryError
@@ -165,7 +165,7 @@ class Comparison:
         self._threads: list[threading.Thread] = []
         self.load: MachineLoad | None = None
         self.machine: dict = {}  # other processes' CPU use during the run, once it finished
-        self.check: dict = {}  # the sampling check (engine.check), once both engines finished
+        self.check: dict = {}  # the sampling check (engine.analysis.check), once both engines finished
         self.extra_checks: dict[str, dict] = {}  # the same for each extra speculative engine
 
     # --- running ---------------------------------------------------------------------------------------------------

@@ -23,11 +23,12 @@ import gradio as gr
 
 from engine.backend import ENGINES, MAX_EXTRA, extra_engine
 from engine.limits import MAX_K, MAX_QUEUED_RUNS, SettingsError
-from engine.models import ModelError
+from engine.loading.models import ModelError
+from engine.methods import METHODS
 from engine.request import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DYNAMIC_K, DEFAULT_K, DEFAULT_MAX_NEW_TOKENS,
-                            DEFAULT_SEED, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, MAX_NEW_TOKENS, METHODS, MIN_DRAFT_VOCAB,
+                            DEFAULT_SEED, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, MAX_NEW_TOKENS, MIN_DRAFT_VOCAB,
                             build_request)
-from engine.vllm_config import METHODS as VLLM_METHODS, speculative_config
+from engine.vllm.config import METHODS as VLLM_METHODS, speculative_config
 from specconsole import charts
 from specconsole.history import History
 from specconsole.host import ModelHost

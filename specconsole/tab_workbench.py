@@ -9,7 +9,7 @@ import gradio as gr
 import pandas as pd
 
 from engine.request import SUITE_MAX_NEW_TOKENS, build_request
-from engine.sampling import SettingsError
+from engine.limits import SettingsError
 from specconsole.history import History
 from specconsole.host import ModelHost
 from specconsole.markup import md

@@ -8,7 +8,7 @@ import sys
 from dataclasses import replace
 
 from engine.backend import extra_engine
-from engine.check import sampling_check
+from engine.analysis.check import sampling_check
 from engine.events import Reclassified, RunResult, TokenEvent
 from engine.metrics import compare
 

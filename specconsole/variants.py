@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from engine.backend import MAX_EXTRA
 from engine.methods import PROPOSERS, digits, flag, needs_draft, parse_specs
 from engine.request import Request
-from engine.sampling import SettingsError
+from engine.limits import SettingsError
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 A suite can run each prompt several times (repeats, interleaved, alternating which engine goes first); the
 aggregates count each prompt once, with the median of its repeats, and give the speedup a 95 % bootstrap interval
-over prompts (engine/stats.py), which is what the advisor decides from.
+over prompts (engine/analysis/stats.py), which is what the advisor decides from.
 
 A sweep changes one variable at a time: K (1..8 and dynamic), temperature, drafting method, context length
 (short prompt vs the same prompt after a long document), or, on the vLLM backend, concurrency (parallel requests
@@ -26,10 +26,11 @@ from tqdm import tqdm
 
 from engine.limits import (MAX_CONCURRENCY, MAX_K, MAX_PROMPTS_PER_SUITE, MAX_REPEATS, MAX_SWEEP_VALUES,
                            MAX_TEMPERATURE, SettingsError, check_range, number)
-from engine.llamacpp_server import DRAFT_MODEL_METHODS, METHODS as LLAMACPP_METHODS
-from engine.request import METHODS, Request
-from engine.stats import bootstrap_ci, ratio_ci
-from engine.vllm_config import METHODS as VLLM_METHODS, speculative_config
+from engine.llamacpp.server import DRAFT_MODEL_METHODS, METHODS as LLAMACPP_METHODS
+from engine.methods import METHODS
+from engine.request import Request
+from engine.analysis.stats import bootstrap_ci, ratio_ci
+from engine.vllm.config import METHODS as VLLM_METHODS, speculative_config
 from specconsole.advisor import Advice, ab_conclusion, advise
 from specconsole.history import History
 from engine.backend import ENGINES
@@ -92,7 +93,7 @@ def sweep_methods(backend) -> tuple[str, ...]:
     if not server_drafting(backend):
         return METHODS
     if backend.name == "llamacpp":
-        from engine.llamacpp_backend import VLLM_METHODS as ALIASES
+        from engine.llamacpp.backend import VLLM_METHODS as ALIASES
 
         return tuple(LLAMACPP_METHODS) + tuple(ALIASES)  # llama.cpp's names, and vLLM's for the same methods
     return VLLM_METHODS
@@ -201,7 +202,7 @@ def run_suite(backend, items: list[SuitePrompt], base: Request, history: History
 
 
 # --- aggregates --------------------------------------------------------------------------------------------------
-# The statistic is engine/stats.py's: per prompt the median over its repeats, then the median over prompts, with a
+# The statistic is engine/analysis/stats.py's: per prompt the median over its repeats, then the median over prompts, with a
 # 95 % bootstrap interval over prompts for the speedup.
 
 
@@ -299,7 +300,7 @@ def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
             "efficiency": med("efficiency"),
             "identical": f"{sum(v is True for v in g['identical'])}/{sum(v is not None for v in g['identical'])}",
             "divergence_note": next(iter(_present(g.get("divergence_note", []))), None),
-            # sampled runs: how many the sampling check (engine.check) found suspect, of those it checked
+            # sampled runs: how many the sampling check (engine.analysis.check) found suspect, of those it checked
             "sampling_check": _suspects(g.get("sampling_check", [])),
         })
     return pd.DataFrame(rows)

@@ -18,9 +18,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine.events import StepRecord
-from engine.optimize import prepare_draft, prepare_target
+from engine.exact.optimize import prepare_draft, prepare_target
 from engine.setup import setup
-from engine.weights import dequantized_dir
+from engine.loading.weights import dequantized_dir
 
 setup()  # the process-wide settings launch.py makes: the tests run the engines as the console does (engine.setup)
 CPU = torch.device("cpu")
@@ -92,8 +92,8 @@ def tiny_chat_pair(smol_tokenizer):
 @pytest.fixture(scope="module")
 def backend(tiny_chat_pair, smol_tokenizer):
     """A LocalBackend over tiny_chat_pair (one per test module: it remembers the measured target step)."""
-    from engine.local_backend import LocalBackend
-    from engine.models import LoadedModel
+    from engine.exact.backend import LocalBackend
+    from engine.loading.models import LoadedModel
 
     target, draft = tiny_chat_pair
     return LocalBackend(LoadedModel("tiny", target, smol_tokenizer, CPU), LoadedModel("tiny-draft", draft, smol_tokenizer, CPU))

@@ -5,11 +5,11 @@ import inspect
 import pytest
 
 from engine.backend import Backend, Capabilities
-from engine.llamacpp_backend import LlamaCppBackend
-from engine.local_backend import LocalBackend
+from engine.llamacpp.backend import LlamaCppBackend
+from engine.exact.backend import LocalBackend
 from engine.request import Request
-from engine.sampling import SettingsError
-from engine.vllm_backend import VLLMBackend
+from engine.limits import SettingsError
+from engine.vllm.backend import VLLMBackend
 
 MEMBERS = [name for name, value in vars(Backend).items() if inspect.isfunction(value) and not name.startswith("_")]
 
@@ -52,8 +52,8 @@ def test_vllm_backend_says_which_settings_it_ignores():
 
 def test_vllm_backend_serves_its_extra_servers_as_variants():
     """Each extra speculative server is an N-way engine named after its config; an unknown engine is refused."""
-    from engine.vllm_config import speculative_config
-    from engine.vllm_server import VLLMError
+    from engine.vllm.config import speculative_config
+    from engine.vllm.server import VLLMError
     backend = VLLMBackend("http://127.0.0.1:9", "http://127.0.0.1:9", "m", speculative=speculative_config("ngram", 4),
                           extra=[("http://127.0.0.1:9", speculative_config("ngram", 2)), ("http://127.0.0.1:9", None)])
     assert backend.variants() == {"speculative-2": {"label": "vLLM ngram K=2", "method": "ngram"},

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from engine.events import TokenKind
-from engine.local import _Recorder
+from engine.exact.decode import _Recorder
 from engine.stops import StopConditions
 from specconsole import hosts
 from specconsole.history import History

@@ -1,21 +1,21 @@
-"""FR-Spec: the draft model's output layer pruned to its most frequent tokens (engine.vocab). The ranking, the
+"""FR-Spec: the draft model's output layer pruned to its most frequent tokens (engine.exact.vocab). The ranking, the
 pruned layer's logits, and greedy output identical to the baseline however few tokens the draft keeps."""
 
 import numpy as np
 import pytest
 import torch
 
-import engine.vocab
-from engine.proposers import DraftModelProposer, HybridProposer, NgramProposer
+import engine.exact.vocab
+from engine.exact.proposers import DraftModelProposer, HybridProposer, NgramProposer
 from engine.events import TokenKind
-from engine.forward import forward, new_cache
-from engine.local import generate_speculative
-from engine.optimize import prepare_draft
-from engine.policy import PolicyConfig, SpecPolicy
+from engine.exact.forward import forward, new_cache
+from engine.exact.decode import generate_speculative
+from engine.exact.optimize import prepare_draft
+from engine.exact.policy import PolicyConfig, SpecPolicy
 from engine.request import Request
-from engine.sampling import SettingsError
+from engine.limits import SettingsError
 from engine.stops import StopConditions
-from engine.vocab import kept_ids, prune_head, rank_tokens, token_ranking
+from engine.exact.vocab import kept_ids, prune_head, rank_tokens, token_ranking
 from tests.conftest import CPU, tiny_llama
 from tests.test_greedy_exact import GREEDY, PROMPT, baseline, last
 
@@ -30,13 +30,13 @@ def random_kept(n: int, width: int = 512, seed: int = 0) -> torch.Tensor:
 def small_corpus(tmp_path, monkeypatch):
     """Rankings built from a few lines into an empty cache: quick, and the user's cache is left alone."""
     monkeypatch.setenv("SPECCONSOLE_CACHE", str(tmp_path))
-    monkeypatch.setattr(engine.vocab, "corpus", lambda: SMALL_CORPUS)
+    monkeypatch.setattr(engine.exact.vocab, "corpus", lambda: SMALL_CORPUS)
 
 
 def test_ranking_keeps_special_tokens_first_then_counts(smol_tokenizer):
     ranking = rank_tokens(smol_tokenizer, SMALL_CORPUS)
     assert sorted(ranking.tolist()) == list(range(len(smol_tokenizer)))  # every id, once
-    first = engine.vocab.always_kept(smol_tokenizer)
+    first = engine.exact.vocab.always_kept(smol_tokenizer)
     assert set(ranking[: len(first)].tolist()) == set(first)
     assert {smol_tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")} <= set(first)
     seen = [t for text in SMALL_CORPUS for t in smol_tokenizer(text)["input_ids"]]
@@ -50,11 +50,11 @@ def test_ranking_keeps_special_tokens_first_then_counts(smol_tokenizer):
 def test_ranking_is_built_once_and_cached(smol_tokenizer, small_corpus, tmp_path, monkeypatch):
     first = token_ranking(smol_tokenizer)
     assert len(list((tmp_path / "vocab").glob("ranking-49152-*.npy"))) == 1
-    rank = engine.vocab.rank_tokens
-    monkeypatch.setattr(engine.vocab, "rank_tokens", lambda *a: pytest.fail("ranked again"))
+    rank = engine.exact.vocab.rank_tokens
+    monkeypatch.setattr(engine.exact.vocab, "rank_tokens", lambda *a: pytest.fail("ranked again"))
     assert np.array_equal(token_ranking(smol_tokenizer), first)
-    monkeypatch.setattr(engine.vocab, "rank_tokens", rank)
-    monkeypatch.setattr(engine.vocab, "corpus", lambda: SMALL_CORPUS[:1])  # another corpus: ranked anew
+    monkeypatch.setattr(engine.exact.vocab, "rank_tokens", rank)
+    monkeypatch.setattr(engine.exact.vocab, "corpus", lambda: SMALL_CORPUS[:1])  # another corpus: ranked anew
     token_ranking(smol_tokenizer)
     assert len(list((tmp_path / "vocab").glob("ranking-49152-*.npy"))) == 2
 

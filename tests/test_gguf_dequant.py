@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from engine import gguf_dequant
-from engine.gguf_load import tensor_index
-from engine.optimize import quantize_linear
-from engine.weights import gguf_model
+from engine.loading import gguf_dequant
+from engine.loading.gguf_load import tensor_index
+from engine.exact.optimize import quantize_linear
+from engine.loading.weights import gguf_model
 
 # where each block type keeps its float16 scales (byte offsets): random bytes there could be NaN or inf
 F16_FIELDS = {3: (0, 2), 6: (0,), 8: (0,), 12: (0, 2), 14: (208,)}

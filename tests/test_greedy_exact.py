@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from engine.proposers import DraftModelProposer, HybridProposer, NgramProposer, Proposal
+from engine.exact.proposers import DraftModelProposer, HybridProposer, NgramProposer, Proposal
 from engine.events import RunResult, TokenKind
-from engine.forward import forward, new_cache
-from engine.local import generate_baseline, generate_speculative
-from engine.policy import PolicyConfig, SpecPolicy
-from engine.sampling import SamplingParams
+from engine.exact.forward import forward, new_cache
+from engine.exact.decode import generate_baseline, generate_speculative
+from engine.exact.policy import PolicyConfig, SpecPolicy
+from engine.exact.sampling import SamplingParams
 from engine.stops import StopConditions
 
 GREEDY = SamplingParams()

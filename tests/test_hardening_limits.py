@@ -17,8 +17,8 @@ import pytest
 
 from engine import limits
 from engine.request import Request, build_request
-from engine.sampling import SettingsError
-from engine.vllm_backend import VLLMBackend
+from engine.limits import SettingsError
+from engine.vllm.backend import VLLMBackend
 from specconsole import hosts
 from specconsole.history import History
 from specconsole.host import ModelHost

@@ -19,12 +19,12 @@ import pandas as pd
 import pytest
 
 from engine.request import Request
-from engine.proposers import Proposal
+from engine.exact.proposers import Proposal
 from engine.events import PolicyAction, PolicyEvent, Reclassified, RunResult, StepRecord, TokenEvent, TokenKind
-from engine.local import _Recorder, generate_speculative
+from engine.exact.decode import _Recorder, generate_speculative
 from engine.metrics import run_metrics
-from engine.policy import PolicyConfig, SpecPolicy
-from engine.sampling import SamplingParams
+from engine.exact.policy import PolicyConfig, SpecPolicy
+from engine.exact.sampling import SamplingParams
 from engine.stops import StopConditions
 from specconsole import runner
 from specconsole.export import export_csv, neutralise

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from engine.proposers import DraftModelProposer
-from engine.forward import forward, move_position, new_cache, rollback
-from engine.optimize import prepare_target
-from engine.sampling import SamplingParams, verify_greedy
+from engine.exact.proposers import DraftModelProposer
+from engine.exact.forward import forward, move_position, new_cache, rollback
+from engine.exact.optimize import prepare_target
+from engine.exact.sampling import SamplingParams, verify_greedy
 from tests.conftest import CPU, tiny_llama
 
 PROMPT = [5, 17, 99, 3, 250, 41, 7]

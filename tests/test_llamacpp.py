@@ -16,14 +16,14 @@ import pandas as pd
 import pytest
 
 from engine.backend import Backend
-from engine.check import sampling_check
+from engine.analysis.check import sampling_check
 from engine.events import Reclassified, RunResult, TokenEvent, TokenKind
-from engine.llamacpp_backend import DIVERGENCE_NOTE, LlamaCppBackend
-from engine.llamacpp_server import EngineConfig, LlamaCppEngine, LlamaCppError, check_build, parse_method
+from engine.llamacpp.backend import DIVERGENCE_NOTE, LlamaCppBackend
+from engine.llamacpp.server import EngineConfig, LlamaCppEngine, LlamaCppError, check_build, parse_method
 from engine.metrics import compare
 from engine.request import Request
-from engine.sampling import SamplingParams
-from engine.weights import gguf_model
+from engine.exact.sampling import SamplingParams
+from engine.loading.weights import gguf_model
 
 pytestmark = pytest.mark.llamacpp
 
@@ -285,7 +285,7 @@ def test_the_page_names_the_speculative_engine_by_the_method_it_runs(tmp_path):
 
 
 def test_a_missing_option_is_named_before_anything_starts(smol, monkeypatch):
-    from engine import llamacpp_server
+    from engine.llamacpp import server as llamacpp_server
 
     check_build(EngineConfig("speculative", smol, "ngram-mod", k=4))
     monkeypatch.setitem(llamacpp_server.METHOD_OPTIONS, "ngram_mod", ("speculative.ngram_mod.n_maximum",))

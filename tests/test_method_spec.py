@@ -3,12 +3,12 @@ and `--llamacpp-compare`: each caller says which options it takes, and its messa
 
 import pytest
 
-from engine.llamacpp_server import EngineConfig, LlamaCppError, parse_method
+from engine.llamacpp.server import EngineConfig, LlamaCppError, parse_method
 from engine.methods import digits, flag, nonempty, parse_spec, parse_specs
 from engine.request import Request
-from engine.sampling import SettingsError
-from engine.vllm_config import parse_configs
-from engine.vllm_server import VLLMError
+from engine.limits import SettingsError
+from engine.vllm.config import parse_configs
+from engine.vllm.server import VLLMError
 from specconsole.variants import parse_compare
 
 OPTIONS = {"k": digits, "dynamic": flag, "draft": nonempty}

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.proposers import HybridProposer, NgramProposer, Proposal
+from engine.exact.proposers import HybridProposer, NgramProposer, Proposal
 
 
 def test_longest_then_latest_match():

@@ -227,7 +227,7 @@ def test_compare_specs_and_presets():
     assert v[1].request.draft_confidence == 0.0 and v[2].request.draft_confidence == 0.4
     assert [x.request.draft_vocab for x in v] == [4096, 0, 4096, 4096]  # n-gram drafting has no draft vocabulary
     assert all(x.request.prompt == "x" for x in v)
-    from engine.sampling import SettingsError
+    from engine.limits import SettingsError
 
     for bad in ("", "eagle", "draft:k=x", "draft,ngram,hybrid,draft,ngram"):
         with pytest.raises(SettingsError):
@@ -295,8 +295,8 @@ def test_vllm_compare_flag_describes_one_server_per_config():
     """`--vllm-compare ngram:k=2,ngram:k=6`: one --speculative-config per extra vLLM server; with --vllm-attach it
     must describe exactly the extra URLs (nothing is contacted before that is checked)."""
     import launch
-    from engine.vllm_config import parse_configs
-    from engine.vllm_server import VLLMError
+    from engine.vllm.config import parse_configs
+    from engine.vllm.server import VLLMError
 
     configs = parse_configs("ngram:k=2, ngram:k=6,draft_model:draft=/d")
     assert [(c["method"], c["num_speculative_tokens"]) for c in configs] == [("ngram", 2), ("ngram", 6),

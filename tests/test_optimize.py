@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.optimize import MIN_ROWS, PackedLinear
+from engine.exact.optimize import MIN_ROWS, PackedLinear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PackedLinear needs oneDNN")
 

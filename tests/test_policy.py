@@ -1,7 +1,7 @@
 """The K policy and the fallback, on constructed step records."""
 
 from engine.events import PolicyAction, StepRecord
-from engine.policy import DraftStop, PolicyConfig, SpecPolicy
+from engine.exact.policy import DraftStop, PolicyConfig, SpecPolicy
 from engine.request import Request
 
 

@@ -1,12 +1,12 @@
-"""The float16 target (engine.precision): each row of a pass is what a one-row pass gives, so greedy speculative
+"""The float16 target (engine.exact.precision): each row of a pass is what a one-row pass gives, so greedy speculative
 output still equals the baseline's; and the option reaches the loaded model."""
 
 import pytest
 import torch
 from torch import nn
 
-from engine.optimize import linear_converter, prepare_draft, prepare_target
-from engine.precision import HalfLinear, fp16_available
+from engine.exact.optimize import linear_converter, prepare_draft, prepare_target
+from engine.exact.precision import HalfLinear, fp16_available
 from tests.conftest import CPU, perturbed, tiny_llama
 from tests.test_greedy_exact import *  # the greedy identity tests, collected here again: they use tiny_pair below
 
@@ -58,7 +58,7 @@ def test_the_converter_refuses_what_it_cannot_run():
 
 
 def test_load_makes_a_float16_target_and_counts_its_bytes(tmp_path, smol_tokenizer):
-    from engine.models import ModelError, load
+    from engine.loading.models import ModelError, load
 
     tiny_llama(len(smol_tokenizer), seed=3).save_pretrained(tmp_path)
     smol_tokenizer.save_pretrained(tmp_path)

@@ -1,4 +1,4 @@
-"""Every registered drafting method's proposer implements engine.proposers.Proposer with the protocol's own
+"""Every registered drafting method's proposer implements engine.exact.proposers.Proposer with the protocol's own
 signatures, and the registry (engine.methods.PROPOSERS) is all that a new method needs: validation, the local
 backend and `--compare` take it from there."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from engine.methods import METHODS, PROPOSERS, Method, needs_draft
-from engine.proposers import Draft, Proposal, Proposer
+from engine.exact.proposers import Draft, Proposal, Proposer
 from engine.request import Request
-from engine.sampling import SettingsError
+from engine.limits import SettingsError
 from specconsole.variants import parse_compare
 
 MEMBERS = [name for name, value in vars(Proposer).items() if inspect.isfunction(value) and not name.startswith("_")]
@@ -78,7 +78,7 @@ def test_a_new_method_is_a_class_and_its_registry_line(backend, monkeypatch):
 
 
 def test_a_method_that_needs_the_draft_model_is_refused_without_one(backend):
-    from engine.local_backend import LocalBackend
+    from engine.exact.backend import LocalBackend
 
     alone = LocalBackend(backend.target, None)
     with pytest.raises(SettingsError, match="no draft model, which hybrid drafting needs"):

@@ -8,14 +8,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.local_backend import LocalBackend
+from engine.exact.backend import LocalBackend
 from engine.request import Request
 from engine.events import RunResult, TokenKind
 from engine.metrics import compare
-from engine.models import ModelError, load
+from engine.loading.models import ModelError, load
 from engine.presets import custom_preset
-from engine.sampling import SamplingParams
-from engine.weights import SOURCES, cache_dir, dequantized_dir, gguf_model
+from engine.exact.sampling import SamplingParams
+from engine.loading.weights import SOURCES, cache_dir, dequantized_dir, gguf_model
 from tests.conftest import CPU
 
 PROMPTS = [
@@ -66,7 +66,7 @@ def smol_self_draft():
 def test_preset_with_draft_loads_both_models(smol_self_draft):
     from torch.ao.nn.quantized.dynamic import Linear as Int8Linear
 
-    from engine.optimize import PackedLinear
+    from engine.exact.optimize import PackedLinear
 
     target, draft = smol_self_draft.target.model, smol_self_draft.draft.model
     assert isinstance(target.lm_head, PackedLinear) and isinstance(draft.lm_head, Int8Linear)
@@ -82,8 +82,8 @@ def test_weights_held_once(smol, smol_dir):
     import gc
     from pathlib import Path
 
-    from engine.gguf_load import GGUFEmbedding
-    from engine.optimize import PackedLinear
+    from engine.loading.gguf_load import GGUFEmbedding
+    from engine.exact.optimize import PackedLinear
 
     model = smol.target.model
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
@@ -176,7 +176,7 @@ def test_pruned_draft_head_greedy_identical(smol_self_draft, method, prompt):
 
 
 def test_pruned_int8_head_gives_the_full_heads_logits(smol_self_draft):
-    from engine.forward import forward, new_cache
+    from engine.exact.forward import forward, new_cache
 
     draft = smol_self_draft.draft.model
     head = smol_self_draft.draft_head(8192)

@@ -93,9 +93,9 @@ def test_unknown_run_and_cli(tmp_path, caplog):
 def close_backend(smol_tokenizer):
     """conftest's tiny target with a draft much closer to it than conftest's: on this vocabulary conftest's draft
     is never accepted, and the replay should show every kind (accepted, rejected, recovered, bonus)."""
-    from engine.local_backend import LocalBackend
-    from engine.models import LoadedModel
-    from engine.optimize import prepare_draft, prepare_target
+    from engine.exact.backend import LocalBackend
+    from engine.loading.models import LoadedModel
+    from engine.exact.optimize import prepare_draft, prepare_target
     from tests.conftest import CPU, perturbed, tiny_llama
 
     target = tiny_llama(len(smol_tokenizer), seed=3)

@@ -1,15 +1,15 @@
-"""The sampling check (engine.check) on the local backend: scoring, verdicts, and where the verdict shows up (page
+"""The sampling check (engine.analysis.check) on the local backend: scoring, verdicts, and where the verdict shows up (page
 figures, history, CSV, workbench aggregate). Tiny models: the real-vLLM side is in test_vllm_real.py."""
 
 import pandas as pd
 import torch
 
 from engine.request import Request
-from engine.check import ABSURD_NLL, COPY_FRACTION, MIN_DRAFTS, copy_fraction, sampling_check, verdict
+from engine.analysis.check import ABSURD_NLL, COPY_FRACTION, MIN_DRAFTS, copy_fraction, sampling_check, verdict
 from engine.events import RunResult
-from engine.forward import forward, new_cache
+from engine.exact.forward import forward, new_cache
 from engine.metrics import compare
-from engine.sampling import SamplingParams
+from engine.exact.sampling import SamplingParams
 from specconsole.export import export_csv
 from specconsole.history import History
 from specconsole.render import figures_html

@@ -11,16 +11,16 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import engine.local
-from engine.proposers import DraftModelProposer, HybridProposer, NgramProposer
+import engine.exact.decode
+from engine.exact.proposers import DraftModelProposer, HybridProposer, NgramProposer
 from engine.events import RunResult
-from engine.local import generate_speculative
-from engine.policy import DraftStop, PolicyConfig, SpecPolicy
-from engine.sampling import SamplingParams, rejection_sample, warp
+from engine.exact.decode import generate_speculative
+from engine.exact.policy import DraftStop, PolicyConfig, SpecPolicy
+from engine.exact.sampling import SamplingParams, rejection_sample, warp
 from engine.stops import StopConditions
-from engine.forward import forward, new_cache
-from engine.optimize import prepare_draft, prepare_target
-from engine.vocab import prune_head
+from engine.exact.forward import forward, new_cache
+from engine.exact.optimize import prepare_draft, prepare_target
+from engine.exact.vocab import prune_head
 from tests.conftest import CPU, tiny_llama
 
 ALPHA = 1e-3  # a correct sampler fails this test once in a thousand seeds; the seeds are fixed
@@ -248,7 +248,7 @@ def test_engine_keeps_target_distribution_with_the_policys_own_stop(tiny16):
 
 
 def test_engine_test_catches_swapped_p_and_q(tiny16, monkeypatch):
-    monkeypatch.setattr(engine.local, "rejection_sample", swapped)
+    monkeypatch.setattr(engine.exact.decode, "rejection_sample", swapped)
     assert min(engine_pvalues(tiny16, DraftModelProposer)) < ALPHA
 
 
@@ -266,7 +266,7 @@ def test_engine_test_catches_swapped_p_and_q_with_hybrid_drafting(tiny16, monkey
             draft_probs = torch.nn.functional.one_hot(draft_ids, target_probs.shape[-1]).to(target_probs.dtype)
         return swapped(draft_ids, draft_probs, target_probs, generator)
 
-    monkeypatch.setattr(engine.local, "rejection_sample", swapped_any)
+    monkeypatch.setattr(engine.exact.decode, "rejection_sample", swapped_any)
     assert min(engine_pvalues(tiny16, Hybrid, length=4)) < ALPHA
 
 

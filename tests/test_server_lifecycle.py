@@ -1,4 +1,4 @@
-"""Managed servers never outlive their console (engine.vllm_server, engine/server_guard.py), and a port still held at
+"""Managed servers never outlive their console (engine.vllm.server, engine/serving/server_guard.py), and a port still held at
 start is freed or explained. Real processes, a stand-in HTTP server instead of vLLM (which test_vllm_real.py and
 test_vllm_lifecycle.py run for real): the guard does not care what it guards."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from engine.vllm_server import VLLMError, claim_port, port_in_use, record_port
+from engine.vllm.server import VLLMError, claim_port, port_in_use, record_port
 from tests.conftest import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,7 +35,7 @@ STAND_IN = textwrap.dedent("""
 CONSOLE = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from engine.vllm_server import ServerConfig, VLLMServer
+    from engine.vllm.server import ServerConfig, VLLMServer
 
     class StandIn(ServerConfig):
         def command(self):
@@ -209,8 +209,8 @@ def test_managed_servers_get_the_key_and_none_of_the_consoles_secrets(tmp_path, 
     """The console's environment holds its login and a VLLM_API_KEY; the managed servers get neither, but the key
     the backend is given (then the client sends it, and the warm-up, which a server demanding a key the client does
     not send fails with 401, passes)."""
-    from engine.vllm_backend import VLLMBackend
-    from engine.vllm_config import speculative_config
+    from engine.vllm.backend import VLLMBackend
+    from engine.vllm.config import speculative_config
 
     package = tmp_path / "fake" / "vllm" / "entrypoints" / "openai"
     package.mkdir(parents=True)

@@ -23,9 +23,9 @@ def state():
             "httpx_filters": len(logging.getLogger("httpx").filters),
             "rowwise": "rowwise" in AttentionInterface()}
 
-for m in pkgutil.iter_modules(engine.__path__):
-    if m.name != "setup":
-        importlib.import_module(f"engine.{m.name}")
+for m in pkgutil.walk_packages(engine.__path__, "engine."):
+    if m.name != "engine.setup":
+        importlib.import_module(m.name)
 imported = state()
 from engine.setup import setup
 setup()

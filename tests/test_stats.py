@@ -1,4 +1,4 @@
-"""The statistics behind every verdict (engine/stats.py): bootstrap intervals against scipy and against cases worked
+"""The statistics behind every verdict (engine/analysis/stats.py): bootstrap intervals against scipy and against cases worked
 out by hand, the A/B ratio interval, and the prompts-needed estimate."""
 
 import math
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from engine.stats import bootstrap_ci, log_spread, prompts_needed, ratio_ci
+from engine.analysis.stats import bootstrap_ci, log_spread, prompts_needed, ratio_ci
 
 RNG = np.random.default_rng(7)
 SPEEDUPS = {n: RNG.lognormal(0.2, 0.3, n) for n in (5, 8, 20)}  # skewed, like per-prompt speedups

@@ -6,10 +6,10 @@ from functools import partial
 import pytest
 
 from benchmarks.stop_replay import Ours, Trace, floor_drafts, record, replay
-from engine.proposers import DraftModelProposer
-from engine.local import generate_speculative
-from engine.policy import PolicyConfig, SpecPolicy
-from engine.sampling import SamplingParams
+from engine.exact.proposers import DraftModelProposer
+from engine.exact.decode import generate_speculative
+from engine.exact.policy import PolicyConfig, SpecPolicy
+from engine.exact.sampling import SamplingParams
 from engine.stops import StopConditions
 
 PROMPT = [5, 17, 99, 3, 250, 17, 99, 3, 41]

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-HTTP_BACKENDS = sorted(f"engine.{p.stem}" for glob in ("vllm_*.py", "llamacpp_*.py") for p in (ROOT / "engine").glob(glob))
+HTTP_BACKENDS = sorted(f"engine.{package}.{p.stem}" for package in ("vllm", "llamacpp", "serving")
+                       for p in (ROOT / "engine" / package).glob("*.py") if p.stem != "__init__")
 TORCH_FREE = (*HTTP_BACKENDS, "engine.presets", "engine.prompts")
 
 # imports each module in turn in a fresh interpreter and prints the first one after which torch is loaded

@@ -21,9 +21,9 @@ import pytest
 
 from engine.events import Reclassified, RunResult, TokenEvent, TokenKind
 from engine.request import Request
-from engine.vllm_backend import VLLMBackend
-from engine.vllm_config import speculative_config
-from engine.vllm_server import VLLMError
+from engine.vllm.backend import VLLMBackend
+from engine.vllm.config import speculative_config
+from engine.vllm.server import VLLMError
 from specconsole.render import PanelFeed
 from specconsole.runner import LiveRun
 from tests.conftest import free_ports
@@ -390,7 +390,7 @@ def test_provisional_accuracy_is_saved_with_the_run_and_exported(servers, tmp_pa
 def test_an_ngram_replay_tells_plain_steps_and_short_drafts():
     """For n-gram drafting the guess asks a replay of the proposer how many drafts each step had: a lone token after
     no drafts is a plain step (baseline), not a rejection, and a step after fewer than K drafts can be a bonus."""
-    from engine.vllm_steps import ChunkGuess, ngram_drafts
+    from engine.vllm.steps import ChunkGuess, ngram_drafts
 
     config = speculative_config("ngram", 3)
     guess = ChunkGuess(3, ngram_drafts([5, 6, 7, 8, 9], config, 2048))
@@ -510,7 +510,7 @@ def test_a_10mb_line_is_cut_off_with_an_error(servers, engine):
 
 
 def test_endless_tokens_are_cut_off_past_max_new_tokens(servers):
-    from engine.vllm_client import TOKEN_MARGIN
+    from engine.vllm.client import TOKEN_MARGIN
 
     def endless():  # 20000 tokens without a finish (bounded only so that a client that never stops ends)
         yield stream()[0]

@@ -12,7 +12,7 @@ import httpx
 import psutil
 import pytest
 
-from engine.vllm_server import port_in_use
+from engine.vllm.server import port_in_use
 from tests.conftest import VLLM_PYTHON, free_ports, need_vllm
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,10 +7,10 @@ import os
 import pytest
 
 from engine.events import TokenKind
-from engine.vllm_config import speculative_config
-from engine.vllm_metrics import metrics_delta, parse_metrics
-from engine.vllm_server import ServerConfig, VLLMError
-from engine.vllm_steps import classify, kinds, ngram_proposal, replay_ngram
+from engine.vllm.config import speculative_config
+from engine.vllm.metrics import metrics_delta, parse_metrics
+from engine.vllm.server import ServerConfig, VLLMError
+from engine.vllm.steps import classify, kinds, ngram_proposal, replay_ngram
 
 A, B, REC, BASE = TokenKind.ACCEPTED, TokenKind.BONUS, TokenKind.RECOVERED, TokenKind.BASELINE
 

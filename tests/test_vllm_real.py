@@ -20,10 +20,10 @@ import pytest
 from engine.request import Request
 from engine.events import Reclassified, RunResult, TokenEvent, TokenKind
 from engine.metrics import compare
-from engine.sampling import SamplingParams
-from engine.vllm_backend import VLLMBackend
-from engine.vllm_config import speculative_config
-from engine.vllm_server import ServerConfig, VLLMError, VLLMServer
+from engine.exact.sampling import SamplingParams
+from engine.vllm.backend import VLLMBackend
+from engine.vllm.config import speculative_config
+from engine.vllm.server import ServerConfig, VLLMError, VLLMServer
 from specconsole.history import History
 from specconsole.render import figures_html
 from specconsole.runner import Comparison

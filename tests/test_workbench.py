@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from engine.request import Request
-from engine.stats import bootstrap_ci
+from engine.analysis.stats import bootstrap_ci
 from specconsole import hosts
 from specconsole.advisor import ab_conclusion, advise
 from specconsole.history import History
@@ -64,7 +64,7 @@ def test_suite_saves_every_run_and_aggregates_match(backend, tmp_path):
     code_k3 = agg[(agg["category"] == "code") & (agg["sweep_value"] == "3")].iloc[0]
     stored = [json.loads(r["comparison"])["speedup"] for r in rows if r["category"] == "code" and r["sweep_value"] == "3"]
     assert code_k3["runs"] == 2 and code_k3["prompts"] == 2 and code_k3["speedup"] == pytest.approx(median(stored))
-    # two prompts: the 95 % interval spans both (engine/stats.py), and without repeats the noise is unmeasured
+    # two prompts: the 95 % interval spans both (engine/analysis/stats.py), and without repeats the noise is unmeasured
     assert (code_k3["speedup_low"], code_k3["speedup_high"]) == pytest.approx((min(stored), max(stored)))
     assert code_k3["identical"] == "2/2" and code_k3["noise_cv"] is None
 
@@ -374,7 +374,7 @@ def store_runs(history: History, suite_id: str, category: str, sweep_value: str,
     comparison): prompt i at speedups[i]; the prompts in `diverge` part from the baseline's greedy output at token
     7, the others are identical."""
     from engine.events import RunResult
-    from engine.llamacpp_backend import DIVERGENCE_NOTE
+    from engine.llamacpp.backend import DIVERGENCE_NOTE
 
     for i, speedup in enumerate(speedups):
         run_id = history.start_run(category=category, prompt=f"{category} prompt {i}", suite_id=suite_id,

@@ -1,4 +1,4 @@
-"""Proposers: what drafts for the speculative engine (engine.local). One protocol, three small implementations: a
+"""Proposers: what drafts for the speculative engine (engine.exact.decode). One protocol, three small implementations: a
 draft model, prompt lookup, and a hybrid that picks one of the two per step. engine.methods.PROPOSERS registers them
 under their method names.
 
@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
-from engine import tree
-from engine.forward import forward, new_cache, rollback
-from engine.sampling import SamplingParams, sample, warp
-from engine.vocab import PrunedHead
+from engine.exact import tree
+from engine.exact.forward import forward, new_cache, rollback
+from engine.exact.sampling import SamplingParams, sample, warp
+from engine.exact.vocab import PrunedHead
 
 if TYPE_CHECKING:
-    from engine.policy import DraftStop
+    from engine.exact.policy import DraftStop
     from engine.request import Request
 
 
@@ -52,8 +52,8 @@ class Draft:
 
     model: torch.nn.Module
     vocab_size: int  # the target's logits width: q is padded to it
-    head: PrunedHead | None = None  # FR-Spec: the output layer for the kept ids only (engine.vocab)
-    alternatives: int = 0  # greedy: next-best tokens to name for a token tree (engine.tree)
+    head: PrunedHead | None = None  # FR-Spec: the output layer for the kept ids only (engine.exact.vocab)
+    alternatives: int = 0  # greedy: next-best tokens to name for a token tree (engine.exact.tree)
 
 
 class DraftModelProposer:
@@ -64,7 +64,7 @@ class DraftModelProposer:
     (Any rule that depends only on the draft's own state keeps the rejection sampler exact.) With a pruned output
     layer (`head`, FR-Spec) it drafts among the kept ids only, and q is 0 at every other id. Greedy, it also names
     its `alternatives` next-best tokens for the position where it was least sure (a token tree the target can verify
-    in the rows a short pass leaves free; see engine.tree)."""
+    in the rows a short pass leaves free; see engine.exact.tree)."""
 
     method = "draft"
 
@@ -75,7 +75,7 @@ class DraftModelProposer:
         self.model = model
         self.confidence = confidence
         self.alternatives = alternatives
-        self.head = head  # FR-Spec: the output layer for the kept ids only (engine.vocab); None: the full layer
+        self.head = head  # FR-Spec: the output layer for the kept ids only (engine.exact.vocab); None: the full layer
         self.vocab_size = vocab_size  # the target's logits width; q is padded to it
         self.params = params
         self.generator = generator

@@ -1,4 +1,4 @@
-"""The local backend: a target (and optionally a draft) in this process, our own exact engines (engine.local)."""
+"""The local backend: a target (and optionally a draft) in this process, our own exact engines (engine.exact.decode)."""
 
 from __future__ import annotations
 
@@ -8,22 +8,22 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
-from engine import tree
+from engine.exact import tree
 from engine.events import Event, RunResult
-from engine.local import generate_baseline, generate_speculative, score_outputs
+from engine.exact.decode import generate_baseline, generate_speculative, score_outputs
 from engine.methods import PROPOSERS, needs_draft
-from engine.models import LoadedModel, ModelError, check_pair, load, pick_device
+from engine.loading.models import LoadedModel, ModelError, check_pair, load, pick_device
 from engine.presets import PRESETS, Preset
 from engine.prompts import encode_prompt
-from engine.optimize import MIN_ROWS
+from engine.exact.optimize import MIN_ROWS
 from engine.backend import Capabilities
-from engine.policy import SpecPolicy
-from engine.proposers import Draft
+from engine.exact.policy import SpecPolicy
+from engine.exact.proposers import Draft
 from engine.request import MIN_DRAFT_VOCAB, Request
-from engine.sampling import SettingsError
+from engine.limits import SettingsError
 from engine.stops import StopConditions
-from engine.vocab import PrunedHead, kept_ids, prune_head, token_ranking
-from engine.weights import Progress
+from engine.exact.vocab import PrunedHead, kept_ids, prune_head, token_ranking
+from engine.loading.weights import Progress
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class LocalBackend:
         if draft is not None:
             check_pair(target, draft)
         self.target, self.draft = target, draft
-        # the pass size a token tree fills up to (engine.tree): the target's padding (engine.optimize.MIN_ROWS) makes
+        # the pass size a token tree fills up to (engine.exact.tree): the target's padding (engine.exact.optimize.MIN_ROWS) makes
         # greedy verify passes of fewer rows cost as much as this many anyway
         self.tree_rows = tree_rows
         self.target_step_ms: float | None = None  # measured by baseline runs; lets the fallback judge from the first step

@@ -1,5 +1,5 @@
 """A server process the console starts and that never outlives it: what the managed vLLM servers and llama.cpp
-engines share. Each runs under engine/server_guard.py, in a session of its own, tied to the console by a pipe: when
+engines share. Each runs under engine/serving/server_guard.py, in a session of its own, tied to the console by a pipe: when
 the console ends for any reason (even SIGKILL) the guard stops the server and its children. A server sees only an
 allow-list of the console's environment (server_env)."""
 

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.optimize import int8_linear
-from engine.sampling import SettingsError
-from engine.weights import cache_dir
+from engine.exact.optimize import int8_linear
+from engine.limits import SettingsError
+from engine.loading.weights import cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Which llama.cpp target pass produced each streamed token, from the timings every chunk carries
-(engine.llamacpp_client): predicted_n counts the tokens so far, draft_n / draft_n_accepted count the drafts so far,
+(engine.llamacpp.client): predicted_n counts the tokens so far, draft_n / draft_n_accepted count the drafts so far,
 and predicted_ms is set once per pass of the server's loop (every token a pass commits streams with the same value).
 
 llama.cpp streams one chunk per token, except where a token ends inside a UTF-8 character: that token has no chunk
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.events import TokenKind
-from engine.http_safety import number
+from engine.serving.http_safety import number
 
 Placement = tuple[TokenKind, int, int] | None  # (kind, step, position in the step), None: pending
 

@@ -4,9 +4,9 @@ and cancel.
 
 Anything the server sends that does not have the expected shape, and a stream that ends before `data: [DONE]`,
 raises StreamError saying what was wrong: the caller keeps the tokens it had and reports the error; nothing is
-guessed. So does a stream past its limits (engine.http_safety): a line longer than the request can explain, more
+guessed. So does a stream past its limits (engine.serving.http_safety): a line longer than the request can explain, more
 tokens than max_tokens allows, an error body (only its first 4 KiB are read). A token's logprob that is not a
-possible one leaves its probability unknown. The client knows nothing of token kinds or steps (engine.vllm_backend
+possible one leaves its probability unknown. The client knows nothing of token kinds or steps (engine.vllm.backend
 does).
 """
 
@@ -20,11 +20,11 @@ from typing import Callable, Iterator
 
 import httpx
 
-from engine.http_safety import (IDENTITY, MAX_ERROR_BYTES, MAX_LINE_BYTES, ResponseRefused, error_text, iter_lines,
+from engine.serving.http_safety import (IDENTITY, MAX_ERROR_BYTES, MAX_LINE_BYTES, ResponseRefused, error_text, iter_lines,
                                 number, read_capped)
 from engine.prompts import chat_messages
 from engine.request import Request
-from engine.vllm_server import VLLMError
+from engine.vllm.server import VLLMError
 
 CONNECT_TIMEOUT_S = 10.0
 TOKEN_MARGIN = 16  # tokens a stream may bring beyond max_tokens before it is cut off (vLLM never sends more)
@@ -92,7 +92,7 @@ def stream_chunks(url: str, body: dict, headers: dict, stall_timeout: float,
     """POST `body` to `url` and yield its chunks until `data: [DONE]`. Raises StreamError (a bad status, a chunk
     that cannot be read, a stream without [DONE], one past its limits), httpx.TimeoutException (no byte for
     `stall_timeout` seconds), another httpx.HTTPError (connection lost) or Cancelled. `parse` and `last`: another
-    server's chunks and the chunk that ends its stream instead of [DONE] (engine.llamacpp_client)."""
+    server's chunks and the chunk that ends its stream instead of [DONE] (engine.llamacpp.client)."""
     timeout = httpx.Timeout(CONNECT_TIMEOUT_S, read=stall_timeout)
     max_tokens = body["max_tokens"] + TOKEN_MARGIN
     max_lines = 8 * max_tokens + 64  # a data line and a blank one per chunk, and room for comments

@@ -12,12 +12,12 @@ from transformers import DynamicCache
 class PassLayout:
     """How the rows of one target pass are laid out, where that is not one run of consecutive tokens. `forward`
     makes it from its arguments and hands it to the model as the one keyword `pass_layout`; transformers passes it
-    on to the attention function, engine.optimize.rowwise_attention, its only reader (other attention functions
+    on to the attention function, engine.exact.optimize.rowwise_attention, its only reader (other attention functions
     ignore it). The default is a plain pass.
 
     prompt_rows  the first pass reads the prompt and the first drafts together: its first `prompt_rows` rows are the
                  prompt (attended as the prefill's), the rest as decoding steps at their positions; None: no prompt
-    alt_rows     a token tree (engine.tree): the last `alt_rows` rows are alternatives to pass row `alt_at`, each read
+    alt_rows     a token tree (engine.exact.tree): the last `alt_rows` rows are alternatives to pass row `alt_at`, each read
                  at that row's position as if it stood there instead; 0: no tree
     """
 
@@ -56,9 +56,9 @@ def move_position(cache: DynamicCache, src: int, dst: int) -> None:
 def forward(model, ids: list[int], cache: DynamicCache, keep: int, head=None, prompt_rows: int | None = None,
             tree: int = 0, tree_at: int = 1) -> torch.Tensor:
     """Feed `ids` after what the cache holds; return the logits of the last `keep` positions, [keep, V] float32.
-    `head` (a draft's engine.vocab.PrunedHead) replaces the model's output layer: [keep, N], and the full layer
+    `head` (a draft's engine.exact.vocab.PrunedHead) replaces the model's output layer: [keep, N], and the full layer
     never runs. `prompt_rows`: the first pass reads the prompt and drafts after it; the prompt is its first
-    `prompt_rows` ids. `tree`: the last `tree` ids are a token tree's alternatives to ids[tree_at] (engine.tree).
+    `prompt_rows` ids. `tree`: the last `tree` ids are a token tree's alternatives to ids[tree_at] (engine.exact.tree).
     Both go to the target's attention as a PassLayout (the prompt_rows, alt_rows and alt_at it describes)."""
     x = torch.tensor([ids], dtype=torch.long, device=model.device)  # [1, T]
     if head is not None:

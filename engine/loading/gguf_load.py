@@ -2,7 +2,7 @@
 
 Why: the float32 safetensors cache held every weight twice in the console process (the mapped float32 file beside
 the oneDNN-packed copy) and took 9 GB of disk for a 1.6 GB download. Here the model is built on the meta device,
-each GGUF tensor is dequantized (engine.gguf_dequant: bitwise the values of gguf's numpy code, which transformers
+each GGUF tensor is dequantized (engine.loading.gguf_dequant: bitwise the values of gguf's numpy code, which transformers
 calls, so the float32 values are those of the old cache) and handed to `convert`, which packs or quantizes a
 Linear as soon as its tensors are in; the float32 tensor is then dropped. Peak memory is the model plus one layer.
 
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from engine.gguf_dequant import dequantize
+from engine.loading.gguf_dequant import dequantize
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ attention over several queries. We replace them with:
   row takes another kernel on large layers (not bitwise), and 1-4 rows are slower than 5 on our 2-core CPU, so a
   pass over fewer than `min_rows` (5) rows runs padded to 5: exact, and faster for every engine that uses the
   target (the baseline, ours and HF assisted generation alike).
-  With precision "float16" the Linears are engine.precision's `HalfLinear` instead: half the bytes, each row
+  With precision "float16" the Linears are engine.exact.precision's `HalfLinear` instead: half the bytes, each row
   exact for any number of rows, no padding.
 - `rowwise_attention`: each query of a short pass attends with its own single-query SDPA call, exactly the
   call the baseline makes at that position. Long passes (the prompt) use one fused causal call; both engines
@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import tree
-from engine.forward import PassLayout
-from engine.precision import HalfLinear, check_precision
+from engine.exact import tree
+from engine.exact.forward import PassLayout
+from engine.exact.precision import HalfLinear, check_precision
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ MIN_ROWS = 5
 def rowwise_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                       pass_layout: PassLayout | None = None, **kwargs):
     """The target's attention (config._attn_implementation "rowwise"). `pass_layout`: which rows of the pass are the
-    prompt's or a token tree's, made by engine.forward.forward and passed through the model; None: a plain pass."""
+    prompt's or a token tree's, made by engine.exact.forward.forward and passed through the model; None: a plain pass."""
     # query [B, H, Q, D]; key, value [B, H_kv, T, D] with the Q new positions last; batch size 1, no padding
     layout = pass_layout or PassLayout()
     groups = query.shape[1] // key.shape[1]
@@ -115,7 +115,7 @@ def convert_linears(model: nn.Module, convert) -> nn.Module:
 def prepare_target(model: nn.Module, device: torch.device, min_rows: int = MIN_ROWS,
                    precision: str = "float32") -> nn.Module:
     """Exact optimisations for the target (and for the baseline, which uses the same model object); `precision`:
-    one of engine.precision.PRECISIONS."""
+    one of engine.exact.precision.PRECISIONS."""
     convert_linears(model, linear_converter("target", device, min_rows, precision=precision))
     return finish(model, "target")
 
@@ -155,7 +155,7 @@ def linear_converter(role: str, device: torch.device, min_rows: int = MIN_ROWS, 
                      precision: str = "float32"):
     """What prepare_target / prepare_draft turn one float32 Linear into, for loaders that convert layer by layer
     (so that the float32 weights of the whole model never exist at once). `precision` is the target's
-    (engine.precision); ValueError for one that cannot run on `device`."""
+    (engine.exact.precision); ValueError for one that cannot run on `device`."""
     cpu = device.type == "cpu"
     if role == "target":
         check_precision(precision, device)

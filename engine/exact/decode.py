@@ -16,13 +16,13 @@ from typing import Callable, Generator, Iterator
 import torch
 
 from engine.events import Event, RunResult, StepRecord, TokenEvent, TokenKind
-from engine.forward import forward, new_cache, rollback
+from engine.exact.forward import forward, new_cache, rollback
 from engine.metrics import run_metrics
-from engine.policy import SpecPolicy
-from engine.proposers import Proposal
-from engine.sampling import SamplingParams, next_token, rejection_sample, verify_greedy, warp
+from engine.exact.policy import SpecPolicy
+from engine.exact.proposers import Proposal
+from engine.exact.sampling import SamplingParams, next_token, rejection_sample, verify_greedy, warp
 from engine.stops import Detokenizer, StopConditions, Transcript
-from engine.tree import Tree
+from engine.exact.tree import Tree
 
 log = logging.getLogger(__name__)
 
@@ -141,12 +141,12 @@ def generate_speculative(
     tree_rows: int = 0,
 ) -> Iterator[Event]:
     """Speculative decoding: each step the proposer drafts K tokens, the target verifies them in one forward pass,
-    and the step commits the accepted drafts and one token of the target's own (the terms: engine.sampling).
+    and the step commits the accepted drafts and one token of the target's own (the terms: engine.exact.sampling).
 
     Step 0 drafts from the prompt alone, and the target reads the prompt and those drafts in one pass (its prefill):
     a request costs no target pass more than its steps. A step with K = 0 (nothing drafted, or speculation switched
     off by the policy) is a plain decoding step. `tree_rows`: greedy passes of fewer rows also verify a token tree in
-    their free rows (engine.tree); 0: never."""
+    their free rows (engine.exact.tree); 0: never."""
     run = _Recorder("speculative", proposer.method, tokenizer, prompt_ids, stops, clock)
     try:
         g = _generator(params, model.device)
@@ -183,7 +183,7 @@ class _Draft:
 
     ids: list[int]  # [K] the drafts
     probs: torch.Tensor | None  # q [K, V], the draft's warped distributions; None: greedy, or a deterministic drafter
-    tree: Tree  # a token tree's alternatives to one of the drafts (engine.tree); most steps have none
+    tree: Tree  # a token tree's alternatives to one of the drafts (engine.exact.tree); most steps have none
     drafter: str  # who drafted ("" when K = 0)
     ms: float
 

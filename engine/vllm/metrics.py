@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import re
 
-from engine.http_safety import number
+from engine.serving.http_safety import number
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
 """llama.cpp engines the console starts: one llama.cpp server per engine (the `xllamacpp` wheel: llama.cpp's own C++
 server, prebuilt for the CPU), each in a Python process of its own, serving llama.cpp's HTTP API on 127.0.0.1.
 
-    python -m engine.llamacpp_server --model T.gguf [--method draft --draft D.gguf --k 4] --threads 2 --ready FILE
+    python -m engine.llamacpp.server --model T.gguf [--method draft --draft D.gguf --k 4] --threads 2 --ready FILE
 
 A process per engine, not the server in the console's process: a llama.cpp abort (a failed GGML_ASSERT) ends only
 that engine, which the backend then reports, and an engine can be stopped or restarted alone. Each runs under
-engine/server_guard.py, as a managed vLLM server does, so none outlives the console.
+engine/serving/server_guard.py, as a managed vLLM server does, so none outlives the console.
 
 Option names changed across llama.cpp versions (--draft-max became --spec-draft-n-max, n-gram drafting gained types
 of its own), and the wheel exposes them as attributes of its CommonParams: check_build() looks each one up in the
@@ -23,9 +23,9 @@ import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from engine.guarded_process import GuardedProcess, healthy, server_env
+from engine.serving.guarded_process import GuardedProcess, healthy, server_env
 from engine.methods import parse_spec
-from engine.vllm_server import VLLMError
+from engine.vllm.server import VLLMError
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ class LlamaCppEngine(GuardedProcess):
     def start(self, timeout: float = START_TIMEOUT_S) -> None:
         check_build(self.config)
         self.ready_path.unlink(missing_ok=True)
-        command = [self.python, "-m", "engine.llamacpp_server", *self.config.args(), "--ready", str(self.ready_path)]
+        command = [self.python, "-m", "engine.llamacpp.server", *self.config.args(), "--ready", str(self.ready_path)]
         log.info("starting the %s llama.cpp engine: %s", self.config.role, " ".join(command))
         env = server_env(dict(os.environ))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
@@ -257,7 +257,7 @@ class LlamaCppEngine(GuardedProcess):
 def main(argv: list[str] | None = None) -> int:
     """Serve one engine until SIGTERM / SIGINT; write its URL to --ready once it answers."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s llamacpp: %(message)s")
-    p = argparse.ArgumentParser(prog="python -m engine.llamacpp_server", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m engine.llamacpp.server", description=__doc__)
     p.add_argument("--role", default="engine")
     p.add_argument("--model", required=True, help="the target GGUF")
     p.add_argument("--method", default="none", choices=["none", *METHODS])

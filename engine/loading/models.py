@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from engine.optimize import MIN_ROWS, finish, linear_converter, prepare_draft, prepare_target
-from engine.precision import HalfLinear, check_precision
-from engine.weights import SOURCES, Progress, WeightsError, cache_dir, dequantize_gguf, dequantized_dir, gguf_model
+from engine.exact.optimize import MIN_ROWS, finish, linear_converter, prepare_draft, prepare_target
+from engine.exact.precision import HalfLinear, check_precision
+from engine.loading.weights import SOURCES, Progress, WeightsError, cache_dir, dequantize_gguf, dequantized_dir, gguf_model
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def load(
     spec: str, role: str, device: torch.device | None = None, int8: bool = False, min_rows: int = MIN_ROWS,
     on_progress: Progress | None = None, precision: str = "float32",
 ) -> LoadedModel:
-    """Load a target (role="target": exact optimisations, its Linears in `precision`, engine.precision) or a draft
+    """Load a target (role="target": exact optimisations, its Linears in `precision`, engine.exact.precision) or a draft
     (role="draft": optionally int8)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -121,7 +121,7 @@ def _load_gguf(spec: str, role: str, device: torch.device, int8: bool, min_rows:
     """Known models and .gguf files: loaded from the GGUF, each Linear packed or quantized as it arrives."""
     from transformers import AutoTokenizer
 
-    from engine.gguf_load import load_gguf_model
+    from engine.loading.gguf_load import load_gguf_model
 
     try:
         gguf, meta = gguf_model(spec, on_progress=on_progress)
@@ -155,7 +155,7 @@ def _trim_heap() -> None:
 
 def _resident_bytes(model: torch.nn.Module) -> int:
     """Bytes of a model's tensors, prepacked weights included (they are plain attributes, not parameters)."""
-    from engine.optimize import PackedLinear
+    from engine.exact.optimize import PackedLinear
 
     tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
     tensors.update({id(m.weight): m.weight for m in model.modules() if isinstance(m, PackedLinear)})
@@ -175,7 +175,7 @@ def _weight_bytes(model: torch.nn.Module) -> int:
 
 
 def _int8_size(model: torch.nn.Module) -> int:
-    """Bytes of an int8 draft's weights (engine.optimize.quantize_linear): packed Linears hide from parameters()."""
+    """Bytes of an int8 draft's weights (engine.exact.optimize.quantize_linear): packed Linears hide from parameters()."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
     size = _resident_bytes(model)

@@ -1,7 +1,7 @@
 """The token tree: one branching in a greedy verify pass, in the rows the pass has free.
 
-A target pass over fewer than `tree_rows` tokens costs as much as `tree_rows` (engine.optimize pads short passes
-to MIN_ROWS). Greedy, in every pass but the one that reads the prompt, the speculative engine (engine.local) fills
+A target pass over fewer than `tree_rows` tokens costs as much as `tree_rows` (engine.exact.optimize pads short passes
+to MIN_ROWS). Greedy, in every pass but the one that reads the prompt, the speculative engine (engine.exact.decode) fills
 those free rows with the draft's next-best tokens (alternatives) for the draft where it was least sure, d_at:
 
     pass rows   [last committed, d_0 .. d_{K-1}, a_0 .. a_{A-1}]    A <= tree_rows - K - 1
@@ -12,7 +12,7 @@ alternative is accepted in d_at's place, and its row's logits already give the t
 one token more than the chain alone commits. Its keys and values then move to d_at's cache slot.
 
 In the order a step uses them: how many alternatives a drafter names (`width`) and which (`runners_up`), which of
-them a pass verifies (`Tree.plan`), how their rows attend (`attend`; their positions: engine.forward.PassLayout),
+them a pass verifies (`Tree.plan`), how their rows attend (`attend`; their positions: engine.exact.forward.PassLayout),
 and accepting one, which moves its cache slot (`Tree.accept`).
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.forward import PassLayout, move_position
+from engine.exact.forward import PassLayout, move_position
 
 
 def width(tree_rows: int) -> int:
@@ -78,7 +78,7 @@ class Tree:
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: PassLayout, scaling,
            shared: bool) -> torch.Tensor:
-    """The attention of a pass's alternative rows (engine.optimize.rowwise_attention, after the chain's rows).
+    """The attention of a pass's alternative rows (engine.exact.optimize.rowwise_attention, after the chain's rows).
     query [B, H, Q, D]; key, value [B, H, T, D] with the Q pass rows last -> [B, H, A, D], A = layout.alt_rows.
     `shared`: key and value are the cache's own tensors, which must not change (they are written into copies)."""
     Q, T = query.shape[2], key.shape[2]
@@ -88,7 +88,7 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: 
     out = []
     for j in range(T - layout.alt_rows, T):
         # the alternative's key and value take the place of that row (whose query is done): no copy of the context,
-        # and the call is the one a plain step makes at that position (engine.optimize._attend with one query)
+        # and the call is the one a plain step makes at that position (engine.exact.optimize._attend with one query)
         key[:, :, seen], value[:, :, seen] = key[:, :, j], value[:, :, j]
         row = query[:, :, Q - T + j : Q - T + j + 1]
         out.append(F.scaled_dot_product_attention(row, key[:, :, : seen + 1], value[:, :, : seen + 1], scale=scaling))

@@ -1,5 +1,5 @@
 """What a model server over HTTP can make the console read, and the credentials its URL may carry, kept bounded and
-out of sight. For every HTTP backend (engine.vllm_client and engine.vllm_backend use it).
+out of sight. For every HTTP backend (engine.vllm.client and engine.vllm.backend use it).
 
 A server is trusted to answer, not to behave: a line that never ends, a body of gigabytes, tokens without end or a
 figure that cannot be true must cost bounded memory and time and end in a clear error, or leave the figure
@@ -18,7 +18,7 @@ import httpx
 
 log = logging.getLogger(__name__)
 
-MAX_LINE_BYTES = 64 * 1024  # one streamed line, beyond what the request itself explains (engine.vllm_client)
+MAX_LINE_BYTES = 64 * 1024  # one streamed line, beyond what the request itself explains (engine.vllm.client)
 MAX_ERROR_BYTES = 4 * 1024  # of an error response's body: the server's message fits, a flood is never read
 MAX_BODY_BYTES = 16 * 1024 * 1024  # of a whole response (/v1/models, /metrics, scores)
 

@@ -3,7 +3,7 @@
 In one speculation step the proposer drafts K tokens and the target scores them all in one forward pass. The terms
 (every engine, engine.events.TokenKind and the page use them):
 
-    accepted tokens   drafts the target keeps: a prefix of the K drafts (with a token tree, engine.tree, one of the
+    accepted tokens   drafts the target keeps: a prefix of the K drafts (with a token tree, engine.exact.tree, one of the
                       draft's alternatives may take the place of the first refused draft).
     rejected tokens   the first draft the target refuses and every draft after it; never part of the output.
     recovered token   the target's own token at the first rejected position.
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import torch
 
-from engine.limits import SettingsError  # noqa: F401 - where the engine's importers take it from
 from engine.request import SamplingParams
 
 

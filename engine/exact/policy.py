@@ -18,7 +18,7 @@ sure tokens and stops at the first doubtful one; K (= k_max) is only the ceiling
 draft's own state and at measured costs, so the rejection sampler stays exact.
 
 verify(m), the time of one target pass over m tokens, is measured per m (the backend keeps it across runs), not
-assumed linear: on our 2-core CPU it is flat up to m = 6 (passes under 5 rows run padded to 5, engine.optimize) and
+assumed linear: on our 2-core CPU it is flat up to m = 6 (passes under 5 rows run padded to 5, engine.exact.optimize) and
 then climbs (`python -m benchmarks.pass_cost`); another machine has its own curve. Where an m has not been seen yet,
 verify(m) is the linear estimate from the longest shorter pass measured: verify(n) + beta * (m - n) (one plain step
 + beta * (m - 1) before any).

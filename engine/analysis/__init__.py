@@ -1,0 +1,1 @@
+"""Finished runs analysed: bootstrap intervals and the sampling check."""

@@ -1,0 +1,1 @@
+"""What the managed HTTP servers share: the guarded process, its environment, and caps on what a server sends."""

@@ -1,0 +1,1 @@
+"""The vLLM backend: managed or attached OpenAI-compatible servers, talked to with httpx."""
