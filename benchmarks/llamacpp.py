@@ -33,14 +33,15 @@ from dataclasses import replace
 
 from benchmarks.speed import (NOISE_WARNING, _cell, _median, add_sample_args, describe_prompts, groups, machine,
                               run_engine, sample_plan, with_ci)
+from engine.exact.precision import PRECISIONS
 from engine.llamacpp.backend import LlamaCppBackend
 from engine.llamacpp.server import DRAFT_MODEL_METHODS, EngineConfig, LlamaCppError, parse_method
+from engine.loading.weights import gguf_model
 from engine.metrics import compare
 from engine.presets import PRESETS
 from engine.request import Request
 from engine.setup import setup
 from engine.vllm.backend import MAX_EXTRA, extra_engine
-from engine.loading.weights import gguf_model
 
 log = logging.getLogger("benchmarks.llamacpp")
 
@@ -170,6 +171,7 @@ def main(argv=None) -> int:
                         "shares, 1: a thread that waits for a core slows its engine down, where several threads\n"
                         "that wait for each other make llama.cpp's plain decoding collapse")
     p.add_argument("--ours", action="store_true", help="also run our local engine's baseline and speculative")
+    p.add_argument("--precision", default="float32", choices=PRECISIONS, help="our target's weights (--ours)")
     args = p.parse_args(argv)
 
     preset = PRESETS[args.preset]
@@ -194,7 +196,7 @@ def main(argv=None) -> int:
             from engine.exact.backend import LocalBackend
 
             torch.set_num_threads(args.threads)  # the same cores as each llama.cpp engine
-            backends["ours"] = LocalBackend.from_preset(args.preset)
+            backends["ours"] = LocalBackend.from_preset(args.preset, precision=args.precision)
             ours_req = {"method": preset.method}
             warm = Request(prompt="Hello", max_new_tokens=8, **ours_req)
             for engine in ("baseline", "speculative"):  # first calls pay one-off costs
@@ -238,7 +240,7 @@ def main(argv=None) -> int:
     out.write(llamacpp_table(rows, spec_engines, labels) + "\n\n")
     if args.ours:
         out.write(f"Our local engine on the same prompts in the same repeats (preset {args.preset}, method "
-                  f"{preset.method}, the page's default settings):\n\n" + ours_table(rows) + "\n\n")
+                  f"{preset.method}, target weights {args.precision}, the page's default settings):\n\n" + ours_table(rows) + "\n\n")
         o = [p["ours"] for p in prompts]
         out.write(f"From this one run, over all {len(prompts)} prompts: ours speculative / llama.cpp plain "
                   f"{with_ci([f['spec_vs_plain'] for f in o], '{:.2f}')}; ours baseline / llama.cpp plain "

@@ -12,6 +12,7 @@ import gradio as gr
 from engine.limits import MAX_UPLOAD_BYTES
 from engine.setup import setup
 from specconsole import tab_history, tab_run, tab_workbench
+from specconsole.frames import quiet_frames
 from specconsole.history import History, HistoryError
 from specconsole.host import ModelHost
 
@@ -61,7 +62,8 @@ def launch(host: ModelHost, history: History, server_name: str, port: int, auth=
     app._queue.sleep_when_free, app._queue.progress_update_sleep_when_free = QUEUE_POLL_S, 2 * QUEUE_POLL_S
     app.launch(server_name=server_name, server_port=port, auth=auth, css=CSS, js=PRESENTER_JS, show_error=True,
                prevent_thread_lock=prevent_thread_lock, footer_links=[], share=bool(share),
-               max_file_size=MAX_UPLOAD_BYTES)  # a suite file over it is refused as it arrives
+               max_file_size=MAX_UPLOAD_BYTES,  # a suite file over it is refused as it arrives
+               app_kwargs={"middleware": [quiet_frames()]})
     return app
 
 

@@ -119,3 +119,35 @@ def test_a_page_that_does_not_answer_is_waited_for_once(console):
     updates, run = _through_page(url, history)
     assert updates >= 4 and json.loads(run["comparison"])["identical"]
     assert ACKS.missed == missed + 1
+
+
+COUNT_FRAMES = """window.frames_asked = 0;
+const ask = window.requestAnimationFrame.bind(window);
+window.frames_from = {};
+window.requestAnimationFrame = (callback) => {
+  window.frames_asked++;
+  const who = String(callback).slice(0, 60);
+  window.frames_from[who] = (window.frames_from[who] || 0) + 1;
+  return ask(callback);
+};"""
+
+
+def test_an_idle_page_asks_for_few_frames(console, browser):
+    """Gradio's status tracker asks for every animation frame while nothing happens (60 a second, 0.06 core of the
+    engines' two); the page's first script lets its counter run once a second. Counted below that script: the frame
+    requests that reach the browser (the test's counter is installed before the page's scripts, ours wraps it). The
+    page's own transitions after loading take a few seconds: the page must become quiet, within 30 s."""
+    url, _ = console
+    page = browser.new_context().new_page()
+    page.add_init_script(COUNT_FRAMES)
+    page.goto(url)
+    page.wait_for_selector("#model-status:has-text('Ready')", timeout=60_000)
+    windows = []
+    for _ in range(10):
+        page.evaluate("window.frames_asked = 0; window.frames_from = {}")
+        page.wait_for_timeout(3000)
+        windows.append((page.evaluate("window.frames_asked"), page.evaluate("window.frames_from")))
+        if windows[-1][0] <= 15:  # three seconds: 180 without the throttle
+            break
+    page.close()
+    assert windows[-1][0] <= 15, windows
