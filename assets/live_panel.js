@@ -32,11 +32,13 @@ function apply() {
   if (m.start + m.tokens.length > 0) box.scrollTop = box.scrollHeight;
   root.dataset.run = m.run;  // lets a test or benchmark see which run the panel shows, and whether it ended
   root.dataset.final = m.final_html !== undefined ? 'yes' : 'no';
-  // `ack`: the next timed pass waits until this update is drawn (specconsole/page_drawn.py). A frame callback
-  // runs before the next paint; a task queued from it runs after that paint.
+  // `ack`: the next timed pass waits until this update is drawn (specconsole/page_drawn.py): once the page has no
+  // work left (the charts draw after the panels, in later tasks), then after its next paint (a frame callback runs
+  // before the paint, a task queued from it after).
   if (m.ack !== undefined) {
     const word = m.run + ':' + m.ack;
-    requestAnimationFrame(() => setTimeout(() => server.page_drawn(word), 0));
+    const painted = () => requestAnimationFrame(() => setTimeout(() => server.page_drawn(word), 0));
+    if (window.requestIdleCallback) requestIdleCallback(painted, {timeout: 500}); else painted();
   }
 }
 

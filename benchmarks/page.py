@@ -8,13 +8,13 @@
 Options this script does not know (--llamacpp-method, --llamacpp-threads, --target, ...) go to launch.py, so that
 both phases build the same backend the same way (launch.backend_host).
 
-Phase 1 starts the console (launch.py) on a free loopback port with a fresh history file, lets Debian's Chromium
-show the page and run the same comparison `--runs` times (after one warm-up run), and measures each run: the
-browser's CPU seconds per wall second (all its processes), the console process's, and the engines' tokens/s as
-the console saved them. Phase 2 stops the console and runs the same request `--runs` times through the backend
-API in this process (specconsole.runner.Comparison, fair mode, no page). Both phases load the models once each
-(two copies of the default preset would not fit in 24 GB). Prints medians and the ratios page / API; nothing
-here is a test.
+The backend is built twice, the same way: in this process (the API: specconsole.runner.Comparison, fair mode, no
+page) and in the console (launch.py on a free loopback port, a fresh history file), which Debian's Chromium shows.
+The same comparison then runs `--runs` times in the page and `--runs` times through the API, in pairs (the order
+reversed on odd pairs, after a warm-up pair), so that the machine's drift falls on both alike. Each page run
+records the browser's CPU seconds per wall second (all its processes), the console process's, and the engines'
+tokens/s as the console saved them. Prints medians and the ratios page / API; nothing here is a test. Two copies
+of the default preset take about 14 GiB.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -78,7 +79,9 @@ def machine() -> str:
     return f"{os.cpu_count()} cores, {model}"
 
 
-def page_phase(args) -> list[dict]:
+@contextmanager
+def page_session(args):
+    """The console in a subprocess and Chromium showing it; yields a function that makes one run in the page."""
     from playwright.sync_api import sync_playwright
 
     work = Path(tempfile.mkdtemp(prefix="specconsole-page-"))
@@ -88,7 +91,6 @@ def page_phase(args) -> list[dict]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False")
     console = subprocess.Popen([sys.executable, "launch.py", *launch_args(args), "--port", str(port), "--db", str(db)],
                                cwd=ROOT, env=env, stdout=console_log, stderr=subprocess.STDOUT)
-    runs = []
     try:
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
@@ -110,30 +112,30 @@ def page_phase(args) -> list[dict]:
                 box.fill(value)
                 box.press("Enter")
             for name in args.compare:
-                page.locator("#compare-with label", has_text=name).click()
+                page.locator("#compare-with").get_by_label(name, exact=True).check()
             panels = [f"#{e}-panel" for e in engines(args)]
             if args.presenter:
                 page.click("#present-toggle")
             console_proc = psutil.Process(console.pid)
-            for i in range(args.runs + 1):  # the first run is a warm-up
+
+            def run() -> dict:
                 browser_procs = browser_processes(console.pid)
                 before = page.evaluate(LAST_RUN)
                 b0, c0, t0 = cpu_seconds(browser_procs), cpu_seconds([console_proc]), time.perf_counter()
                 page.locator("body").press("Enter") if args.presenter else page.click("#run")
-                page.wait_for_function(RUN_ENDED, arg=[before, panels], timeout=600_000)
+                # polled 4 times a second: by default playwright evaluates it on every animation frame, 60 times a
+                # second, and that work would be counted as the page's
+                page.wait_for_function(RUN_ENDED, arg=[before, panels], timeout=600_000, polling=250)
                 wall = time.perf_counter() - t0
                 b1, c1 = cpu_seconds(browser_processes(console.pid)), cpu_seconds([console_proc])
-                row = _latest_run(db)
-                row |= {"browser_cores": (b1 - b0) / wall, "console_cores": (c1 - c0) / wall, "wall_s": wall}
-                log.info("page run %d%s: %s", i, " (warm-up)" if i == 0 else "",
-                         {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
-                if i:
-                    runs.append(row)
+                return _latest_run(db) | {"browser_cores": (b1 - b0) / wall, "console_cores": (c1 - c0) / wall,
+                                          "wall_s": wall}
+
+            yield run
             browser.close()
     finally:
         console.terminate()
         console.wait(60)
-    return runs
 
 
 def _latest_run(db: Path) -> dict:
@@ -162,41 +164,54 @@ def launch_args(args) -> list[str]:
     return ["--preset", args.preset, "--backend", args.backend, *args.launch]
 
 
-def api_phase(args) -> list[dict]:
+@contextmanager
+def api_session(args):
+    """The backend the console builds, in this process; yields a function that makes one run through its API
+    (specconsole.runner.Comparison, fair mode, no page)."""
     import launch
     from engine.request import build_request
+    from specconsole.runner import Comparison
     from specconsole.variants import from_presets
 
     p = argparse.ArgumentParser(prog="launch.py")
     launch.add_engine_args(p)
     launch.add_backend_args(p)
-    host = launch.backend_host(p.parse_args(launch_args(args))).start()  # the backend the console builds
+    host = launch.backend_host(p.parse_args(launch_args(args))).start()
     try:
         if not host.wait():
-            raise RuntimeError(f"the API phase's backend did not load: {host.status()}")
+            raise RuntimeError(f"the API's backend did not load: {host.status()}")
         req = build_request(PROMPT, max_new_tokens=args.max_new_tokens, method=host.method)  # the page's defaults
-        return _api_runs(args, host.backend, req, from_presets(req, args.compare))
+        extra = from_presets(req, args.compare)
+
+        def run() -> dict:
+            comp = Comparison(host.backend, req, "fair", None, {}, extra=extra)
+            comp.start()
+            while not comp.poll(0.2):
+                pass
+            r = comp.results
+            return {"baseline_tps": r["baseline"].metrics["tokens_per_s"],
+                    "speculative_tps": r["speculative"].metrics["tokens_per_s"], "noisy": comp.machine.get("noisy"),
+                    "page_cores": comp.machine.get("page_cores"), "other_cores": comp.machine.get("other_cores")}
+
+        yield run
     finally:
         host.close()
 
 
-def _api_runs(args, backend, req, extra) -> list[dict]:
-    from specconsole.runner import Comparison
-
-    runs = []
-    for i in range(args.runs + 1):
-        comp = Comparison(backend, req, "fair", None, {}, extra=extra)
-        comp.start()
-        while not comp.poll(0.2):
-            pass
-        r = comp.results
-        row = {"baseline_tps": r["baseline"].metrics["tokens_per_s"],
-               "speculative_tps": r["speculative"].metrics["tokens_per_s"], "noisy": comp.machine.get("noisy"),
-               "page_cores": comp.machine.get("page_cores"), "other_cores": comp.machine.get("other_cores")}
-        log.info("API run %d%s: %s", i, " (warm-up)" if i == 0 else "", row)
-        if i:
-            runs.append(row)
-    return runs
+def interleaved(args) -> tuple[list[dict], list[dict]]:
+    """`args.runs` runs in the page and as many through the API, in pairs, the order reversed on odd pairs, so that
+    the machine's drift over minutes falls on both alike; the first pair is a warm-up."""
+    page, api = [], []
+    with api_session(args) as api_run, page_session(args) as page_run:
+        for i in range(args.runs + 1):
+            pair = [("page", page_run, page), ("API", api_run, api)]
+            for name, run, rows in pair if i % 2 == 0 else pair[::-1]:
+                row = run()
+                log.info("%s run %d%s: %s", name, i, " (warm-up)" if i == 0 else "",
+                         {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
+                if i:
+                    rows.append(row)
+    return page, api
 
 
 def main(argv=None) -> int:
@@ -217,8 +232,7 @@ def main(argv=None) -> int:
         log.error("needs Debian's chromium at %s (bash .ci/setup test installs it)", CHROMIUM)
         return 2
 
-    page = page_phase(args)
-    api = api_phase(args)
+    page, api = interleaved(args)
     med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
     out = sys.stdout
     view = (f"{len(engines(args))} engines (+ {', '.join(args.compare)}), " if args.compare else "") + (

@@ -11,8 +11,8 @@ def setup() -> None:
     """Make the settings; idempotent (each one replaces itself or is made once). Imports torch and transformers."""
     from transformers import AttentionInterface
 
-    from engine.serving.http_safety import RedactURLs
     from engine.exact.optimize import rowwise_attention
+    from engine.serving.http_safety import RedactURLs
 
     # Set once for the process, not with catch_warnings around each call: that is not thread-safe, and the draft
     # loads beside the target. torch marks its quantized tensors deprecated; they are what its int8 Linears run on.

@@ -70,18 +70,34 @@ def _own_s() -> float:
     return t.user + t.system
 
 
+def _servers_s() -> dict[int, float]:
+    """CPU seconds of each process this console started (the managed vLLM and llama.cpp servers: the engines of
+    those backends, whose work is the run's own, not a disturbance)."""
+    out = {}
+    for p in psutil.Process().children(recursive=True):
+        try:
+            t = p.cpu_times()
+            out[p.pid] = t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 class MachineLoad:
     """Started with a run; `result()` at its end: other processes' CPU use and the verdict."""
 
     def __init__(self):
         self.start_wall, self.start_busy, self.start_own = time.perf_counter(), _busy_s(), _own_s()
+        self.start_servers = _servers_s()
         self.console = ConsoleWork()
 
     def result(self, timed_s: float | None = None) -> dict:
         """`timed_s`: the wall seconds during which passes were timed (fair mode: the sum of the turns); the
         console's own work during them is averaged over that time. Default: the whole run (race mode)."""
         wall = max(time.perf_counter() - self.start_wall, 1e-6)
-        own = (_own_s() - self.start_own) / wall
+        # the console's processes that ran through the whole run (a process started or ended meanwhile is another's)
+        servers = sum(t - self.start_servers[pid] for pid, t in _servers_s().items() if pid in self.start_servers)
+        own = (_own_s() - self.start_own + servers) / wall
         other = max(0.0, (_busy_s() - self.start_busy) / wall - own)
         timed_s = timed_s or wall
         page = self.console.timed_s / max(timed_s, 1e-6)

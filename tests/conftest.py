@@ -229,7 +229,10 @@ TIER_FILES = {
     "real_weights": ("test_real_weights.py", "test_stop_replay.py"),
 }
 TIER_FIXTURES = {"browser": ("browser", "page")}
-SLOW_FILES = ("test_sampling_distribution.py",)  # chi-square tests on thousands of sampled runs: minutes each
+# chi-square tests on thousands of sampled runs (minutes each); the page's cost, run through Gradio in process and a
+# client in another (half a minute)
+SLOW_FILES = ("test_sampling_distribution.py", "test_page_cost.py")
+SLOW_FIXTURES = ("big",)  # a history of 10,000 runs, built once per module (test_history_faults.py)
 TIERS = (*TIER_FILES, "slow")
 
 
@@ -243,5 +246,6 @@ def pytest_collection_modifyitems(items):
         for tier, files in TIER_FILES.items():
             if item.path.name in files or any(f in item.fixturenames for f in TIER_FIXTURES.get(tier, ())):
                 item.add_marker(tier)
-        if item.path.name in SLOW_FILES or any(item.get_closest_marker(t) for t in TIER_FILES):
+        if (item.path.name in SLOW_FILES or any(f in item.fixturenames for f in SLOW_FIXTURES)
+                or any(item.get_closest_marker(t) for t in TIER_FILES)):
             item.add_marker("slow")

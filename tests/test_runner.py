@@ -117,6 +117,26 @@ def test_busy_machine_marks_the_run_noisy():
     assert "machine during the run" in html and "noisy" in html
 
 
+def test_the_consoles_own_servers_are_not_a_disturbance():
+    """A managed vLLM or llama.cpp server is a process the console started before the run: its work is the run's
+    engines, not another process's, and does not count towards a noisy run."""
+    import subprocess
+    import sys
+    import time
+
+    from specconsole.machine import MachineLoad
+
+    spin = "import sys, time\nprint(flush=True)\nend = time.time() + 2.5\nwhile time.time() < end: pass"
+    server = subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE)
+    server.stdout.readline()  # running
+    load = MachineLoad()
+    time.sleep(1.0)
+    result = load.result()
+    server.wait()
+    # its core counts as the console's (before: as another process's, which marked every such run noisy)
+    assert result["console_cores"] > 0.5, result
+
+
 def test_noisy_flag_is_saved_and_exported(backend, tmp_path):
     history = History(tmp_path / "h.db")
     req = Request(prompt="hello", max_new_tokens=8, method="draft", k=2)

@@ -1,4 +1,4 @@
-"""How many tokens to draft next (K), and whether speculating pays at all.
+"""How many tokens to draft next (K), and whether speculating pays at all. The maths: docs/policy.md.
 
 Dynamic K picks, before each step, the K that maximises the expected tokens per millisecond of Leviathan et al.'s
 model with this machine's measured costs:
@@ -6,30 +6,16 @@ model with this machine's measured costs:
     goodput(K) = E(alpha, K) / (c*K + v(K)),   E = (1 - alpha^(K+1)) / (1 - alpha)
 
 alpha is the per-token acceptance probability over the last few steps, c the cost of one draft token and v(K) the
-cost of verifying K+1 tokens, both in units of one plain target step (v(K) = 1 + beta*K, beta measured). When the
-draft predicts the target well (code), the best K grows long (up to k_max, e.g. 16); when it predicts poorly, K
-shrinks to k_min. The cost of a plain step comes from the backend's baseline runs or from one measured plain step.
+cost of verifying K+1 tokens, both in units of one plain target step.
 
-Per-token stopping (`per_token`, for a draft model, which knows how sure it is of each token): instead of fixing K
-in advance, the draft keeps going while one more token is expected to raise tokens per millisecond. After n drafts
-with draft confidences a_1..a_n, the step is expected to commit E_n = 1 + sum_i (a_1 * ... * a_i) tokens at cost
-C_n = n*draft + verify(n+1); one more draft adds (a_1 * ... * a_n) * alpha tokens. On code it drafts long runs of
-sure tokens and stops at the first doubtful one; K (= k_max) is only the ceiling. The rule looks only at the
-draft's own state and at measured costs, so the rejection sampler stays exact.
+Per-token stopping (`per_token`, for a draft model, which knows how sure it is of each token): the draft keeps going
+while one more token is expected to raise tokens per millisecond; K (= k_max) is only the ceiling. It looks only at
+the draft's own state and at measured costs, so the rejection sampler stays exact. verify(m), one target pass over
+m tokens, is measured per m, not assumed linear; an m not seen yet is extrapolated from the longest shorter pass.
 
-verify(m), the time of one target pass over m tokens, is measured per m (the backend keeps it across runs), not
-assumed linear: on our 2-core CPU it is flat up to m = 6 (passes under 5 rows run padded to 5, engine.exact.optimize) and
-then climbs (`python -m benchmarks.pass_cost`); another machine has its own curve. Where an m has not been seen yet,
-verify(m) is the linear estimate from the longest shorter pass measured: verify(n) + beta * (m - n) (one plain step
-+ beta * (m - 1) before any).
-
-Fallback: when the tokens per second of the last few speculative steps fall below what plain decoding delivers,
-switch speculation off for `cooldown` plain steps, then try again. Every decision is returned as a PolicyEvent for
-the engine to stream and record.
-
-Draft-length cap (dynamic K): neither K nor the per-token rule sees where recent drafts went wrong, so a draft can
-run long with confidence and be rejected at its first token. The cap limits the next draft to twice the furthest
-any of the last few drafts got before its first rejection; see SpecPolicy.draft_cap.
+Fallback: when the last few speculative steps deliver fewer tokens per second than plain decoding, speculation is off
+for `cooldown` plain steps. Draft-length cap: the next draft is limited to twice the furthest any of the last few
+drafts got before its first rejection (SpecPolicy.draft_cap). Every decision is returned as a PolicyEvent.
 
 PolicyConfig is what the user asked for (frozen); SpecPolicy holds one run's state: the current K, the measured
 costs, the recent steps and the cooldown counter.
