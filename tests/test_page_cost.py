@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from engine.request import build_request
-from specconsole import runner
+from specconsole import page_drawn, runner
 from specconsole.history import History
 from specconsole.host import ModelHost
 from specconsole.page_drawn import ACKS
@@ -84,6 +84,8 @@ def test_without_waiting_for_the_page_its_work_lands_in_the_timed_passes(console
     """The measurement itself: with the turns not waiting for Gradio, its serialisation overlaps the passes and is
     counted (so a run disturbed by its own page says so)."""
     url, history = console
+    # the client has no page to say it drew an update: not waiting for that word keeps both runs' updates streaming
+    monkeypatch.setattr(page_drawn, "ACK_WAIT_S", 0.0)
     cost, waiting = {}, runner.PAGE_WAIT_S
     for wait in (waiting, 0.0):
         monkeypatch.setattr(runner, "PAGE_WAIT_S", wait)
