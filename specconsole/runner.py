@@ -156,11 +156,11 @@ class Comparison:
         self.saved_events: EventLog | None = None  # what of this run's events the history has
         self._saved_at = 0.0
         self.ui_lock = TurnLock()
-        # clear while the page's last update is being serialised and sent (specconsole.tab_run); fair mode's turns
-        # wait for it, up to PAGE_WAIT_S (a page that went away must not stall the run)
+        # clear while the page's last update is being serialised, sent and drawn (specconsole.tab_run,
+        # specconsole.page_drawn); fair mode's turns wait for it, up to PAGE_WAIT_S (a page that went away must not
+        # stall the run)
         self.page_idle = threading.Event()
         self.page_idle.set()
-        self.page_acks: dict = {}  # how many updates the browser said it drew, and missed (specconsole.page_drawn)
         self.clocks: dict[str, EngineClock] = {}
         self._threads: list[threading.Thread] = []
         self.load: MachineLoad | None = None

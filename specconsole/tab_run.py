@@ -206,7 +206,6 @@ def _stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
     finally:
         if acks is not None:
             ACKS.close(panel_run)
-            comp.page_acks = {"answered": acks.answered, "missed": acks.missed}
 
 
 def _ask_to_hear(panels: list, number: int) -> bool:

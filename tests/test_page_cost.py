@@ -153,3 +153,23 @@ def test_an_idle_page_asks_for_few_frames(console, browser):
             break
     page.close()
     assert windows[-1][0] <= 15, windows
+
+
+def test_the_page_word_is_untrusted_input():
+    """page_drawn takes a string from any page: only the exact "<run>:<expected number>" of an open run counts."""
+    from specconsole.page_drawn import PageAcks
+
+    acks = PageAcks()
+    run = acks.open("r1")
+    acks.expect(run)  # the update numbered 1
+    for word in ("r1:2", "r1:01x", "r1:-1", "r2:1", "r1", "", None, 12, "r1:" + "1" * 10_000, "../r1:1"):
+        acks.page_drawn(word)
+    assert not run.drawn.is_set() and acks.answered == 0
+    acks.page_drawn("r1:1")
+    assert run.drawn.is_set() and acks.answered == 1
+    acks.page_drawn("r1:1")  # an answer is counted once
+    assert acks.answered == 1
+    acks.close("r1")
+    acks.expect(run)
+    acks.page_drawn("r1:2")  # a closed run hears nothing
+    assert acks.answered == 1
