@@ -1,8 +1,9 @@
 // A token panel that grows in place. The server sends one small JSON message per update (props.value):
-//   {run, start, tokens: [span html...], total, status, error, reset, final_html, ack}
+//   {run, start, tokens: [span html...], total, status, error, reset, final_html, ack, charts}
 // New token spans are appended; spans already shown are never re-created. `reset` (a re-classification) and a
 // missed message (start beyond what is shown, repaired by the last message's final_html) re-render once.
 const root = element.querySelector('.live-panel');
+const CHART_RESIZE_MS = 150;
 let run = null, shown = 0;
 
 function fresh() {
@@ -34,11 +35,15 @@ function apply() {
   root.dataset.final = m.final_html !== undefined ? 'yes' : 'no';
   // `ack`: the next timed pass waits until this update is drawn (specconsole/page_drawn.py): once the page has no
   // work left (the charts draw after the panels, in later tasks), then after its next paint (a frame callback runs
-  // before the paint, a task queued from it after).
+  // before the paint, a task queued from it after). `charts`: the update also redraws the charts, and plotly draws
+  // each one a second time CHART_RESIZE_MS after (Gradio calls Plots.resize, which waits 100 ms): wait for that too.
   if (m.ack !== undefined) {
     const word = m.run + ':' + m.ack;
-    const painted = () => requestAnimationFrame(() => setTimeout(() => server.page_drawn(word), 0));
-    if (window.requestIdleCallback) requestIdleCallback(painted, {timeout: 500}); else painted();
+    root.dataset.asked = word;  // for tests and benchmarks: the last word asked for, and (below) the last one said
+    const idle = (then) => window.requestIdleCallback ? requestIdleCallback(then, {timeout: 500}) : then();
+    const say = () => { root.dataset.said = word; server.page_drawn(word); };
+    const painted = () => requestAnimationFrame(() => setTimeout(say, 0));
+    if (m.charts) idle(() => setTimeout(() => idle(painted), CHART_RESIZE_MS)); else idle(painted);
   }
 }
 

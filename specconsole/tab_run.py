@@ -192,7 +192,8 @@ def _stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
                 plots = figures_for(results, comp.labels) if chart_due else None
             last_panel = now
             last_figures, last_chart = (now if figures_due else last_figures), (now if chart_due else last_chart)
-            asked = not done and acks is not None and acks.trusted and _ask_to_hear(panels, ACKS.expect(acks))
+            asked = (not done and acks is not None and acks.trusted
+                     and _ask_to_hear(panels, ACKS.expect(acks), charts=plots is not None))
             try:
                 # Gradio postprocesses the update (plotly's JSON, the diff to the last one) and sends it to the
                 # browser before it asks for the next one; the browser then draws it and says so
@@ -208,12 +209,12 @@ def _stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
             ACKS.close(panel_run)
 
 
-def _ask_to_hear(panels: list, number: int) -> bool:
-    """Mark the first panel message of an update with `ack`, for the page to answer once it drew it; False when no
-    panel changed (the page then has nothing that would answer)."""
+def _ask_to_hear(panels: list, number: int, charts: bool = False) -> bool:
+    """Mark the first panel message of an update with `ack`, for the page to answer once it drew it (and, with
+    `charts`, the charts too); False when no panel changed (the page then has nothing that would answer)."""
     for i, message in enumerate(panels):
         if message is not None:
-            panels[i] = json.dumps(json.loads(message) | {"ack": number})
+            panels[i] = json.dumps(json.loads(message) | {"ack": number} | ({"charts": True} if charts else {}))
             return True
     return False
 

@@ -114,6 +114,50 @@ def test_the_browser_draws_between_passes(console, page):
     assert ACKS.answered - answered >= 4, "the page streamed updates that nobody waited for"
 
 
+# Every chart draw the page makes, and whether the run's last word was already said when it made it (a draw after
+# the word falls in the engines' next pass). Plotly is wrapped as Gradio's chart loads it (it sets window.Plotly).
+COUNT_DRAWS = """window.chart_draws = [];
+let plotly;
+function afterWord() {
+  const panels = [...document.querySelectorAll('.live-panel')].filter(p => p.dataset.asked);
+  const running = [...document.querySelectorAll('.live-panel')].some(p => p.dataset.final === 'no');
+  const last = panels.sort((a, b) => +b.dataset.asked.split(':')[1] - +a.dataset.asked.split(':')[1])[0];
+  return running && last !== undefined && last.dataset.said === last.dataset.asked;
+}
+Object.defineProperty(window, 'Plotly', {configurable: true, get: () => plotly, set: (p) => {
+  plotly = p;
+  const react = p.react;
+  p.react = function (gd, ...rest) {
+    const drawn = react.call(this, gd, ...rest);
+    if (!gd.counted) {
+      gd.counted = true;
+      Promise.resolve(drawn).then(() => gd.on('plotly_afterplot', () => window.chart_draws.push(afterWord())));
+    }
+    return drawn;
+  };
+}});"""
+
+
+def test_the_charts_are_drawn_before_the_word(console, browser, monkeypatch):
+    """The page's word waits for its charts too: plotly draws each chart again 100 ms after an update (Gradio's
+    Plots.resize), and that second draw must not fall in the engines' next pass (it did: the charts slowed the
+    baseline, which runs longest, and the page showed 1.1-1.2x the API's speedup, docs/page-cost.md)."""
+    from specconsole import tab_run
+
+    monkeypatch.setattr(tab_run, "CHART_EVERY_S", 0.5)  # a few chart updates within the tiny model's short run
+    url, _ = console
+    page = browser.new_context(viewport={"width": 1500, "height": 1700}).new_page()
+    page.add_init_script(COUNT_DRAWS)
+    page.goto(url)
+    page.wait_for_selector("#model-status:has-text('Ready')", timeout=60_000)
+    set_run(page, PROMPT, NEW_TOKENS)
+    page.click("#run")
+    page.wait_for_selector("#baseline-panel .live-panel[data-final='yes']", timeout=300_000)
+    draws = page.evaluate("window.chart_draws")
+    page.close()
+    assert len(draws) >= 6, draws  # three charts, drawn at least twice during the run
+    assert not any(draws), f"{sum(draws)} of {len(draws)} chart draws came after the page said it had drawn"
+
 def test_a_page_that_does_not_answer_is_waited_for_once(console):
     """An API client has no page to draw: the first update waits ACK_WAIT_S for an answer, the rest do not."""
     url, history = console
