@@ -4,6 +4,7 @@
     python benchmarks/footprint.py --cold           # also a start from the downloaded wheels only (no download:
                                                     # the cache's wheels are hard-linked into a scratch cache)
     python benchmarks/footprint.py --code /tmp/old  # the same measurement for another checkout (before/after)
+    python benchmarks/footprint.py --precision float16   # the target in float16 (engine.exact.precision)
 
 Figures: RSS and USS (psutil memory_full_info) once loaded and after a short greedy run on both engines; peak RSS
 (getrusage ru_maxrss) and peak USS (sampled every 0.1 s); seconds from process start (imports included) to a
@@ -30,7 +31,7 @@ GIB = 1 << 30
 log = logging.getLogger("footprint")
 
 
-def child(preset_name: str) -> None:
+def child(preset_name: str, precision: str) -> None:
     """Runs in the fresh process: load, measure, one greedy run on both engines, measure again, print JSON."""
     import gc
     import resource
@@ -59,7 +60,8 @@ def child(preset_name: str) -> None:
     from engine.exact.backend import LocalBackend
     from engine.request import Request
 
-    backend = LocalBackend.from_preset(preset_name)
+    # the float32 default is not named, so that a checkout from before --precision (--code) still loads
+    backend = LocalBackend.from_preset(preset_name, **({} if precision == "float32" else {"precision": precision}))
     ready_s = time.time() - proc.create_time()
     gc.collect()
     loaded = proc.memory_full_info()
@@ -81,17 +83,17 @@ def child(preset_name: str) -> None:
     }))
 
 
-def measure(preset: str, cache: Path, code: Path) -> dict:
+def measure(preset: str, cache: Path, code: Path, precision: str) -> dict:
     env = dict(os.environ, SPECCONSOLE_CACHE=str(cache), HF_HUB_OFFLINE="1", PYTHONPATH=str(code),
                GRADIO_ANALYTICS_ENABLED="False", TQDM_DISABLE="1")
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", preset]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", preset, "--precision", precision]
     done = subprocess.run(cmd, env=env, cwd=code, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"the load failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def console_start(preset: str, cache: Path, code: Path) -> float:
+def console_start(preset: str, cache: Path, code: Path, precision: str) -> float:
     """Seconds from `python launch.py` to the console's "Ready" (its loader's log line; the page polls the same
     state), gradio and the page included. The page must answer too."""
     import socket
@@ -104,7 +106,7 @@ def console_start(preset: str, cache: Path, code: Path) -> float:
                TQDM_DISABLE="1")
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, str(code / "launch.py"), "--preset", preset, "--port", str(port),
-               "--db", str(Path(tmp) / "history.db")]
+               "--db", str(Path(tmp) / "history.db"), "--precision", precision]
         start = time.monotonic()
         proc = subprocess.Popen(cmd, env=env, cwd=code, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         try:
@@ -155,18 +157,19 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen-coder")
     ap.add_argument("--cold", action="store_true", help="also measure a start from the wheels only")
     ap.add_argument("--code", type=Path, default=ROOT, help="checkout whose engine is measured")
+    ap.add_argument("--precision", default="float32", choices=("float32", "float16"), help="the target's weights")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         logging.basicConfig(level=logging.WARNING)
-        return child(args.child)
+        return child(args.child, args.precision)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     sys.path.insert(0, str(ROOT))
     from engine.loading.weights import SOURCES, cache_dir
 
     cache = cache_dir()
     log.info("machine: %s", machine())
-    log.info("code: %s; cache: %s", args.code, cache)
+    log.info("code: %s; cache: %s; target precision: %s", args.code, cache, args.precision)
     runs = {}
     if args.cold:
         from engine.presets import PRESETS
@@ -179,12 +182,12 @@ def main() -> None:
                     for wheel in (cache / "wheels").glob(f"{c.dist.replace('-', '_')}-{c.version}-*.whl"):
                         os.link(wheel, Path(scratch) / "wheels" / wheel.name)
             log.info("cold start (wheels only; assembles, reads configs, loads)...")
-            runs["cold"] = measure(args.preset, Path(scratch), args.code)
+            runs["cold"] = measure(args.preset, Path(scratch), args.code, args.precision)
             runs["cold"]["cache_after"] = preset_files(args.preset, Path(scratch))
     log.info("cached start...")
-    runs["cached"] = measure(args.preset, cache, args.code)
+    runs["cached"] = measure(args.preset, cache, args.code, args.precision)
     log.info("cached start of the console...")
-    runs["cached"]["console_ready_s"] = round(console_start(args.preset, cache, args.code), 1)
+    runs["cached"]["console_ready_s"] = round(console_start(args.preset, cache, args.code, args.precision), 1)
     files = preset_files(args.preset, cache)
     for kind, r in runs.items():
         log.info("%s start: ready in %.1f s (process start to a backend that can serve, imports included)",

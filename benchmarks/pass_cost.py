@@ -4,6 +4,8 @@ verify), the curve that the per-token draft stop reads (engine.exact.policy: ver
     python -m benchmarks.pass_cost                       # the default target: Qwen2.5-Coder-1.5B, prepacked float32
     python -m benchmarks.pass_cost --sizes 1 2 3 4 8 17 --rounds 20
     python -m benchmarks.pass_cost --min-rows 5 1         # padded to 5 rows (the engines' default) and unpadded
+    python -m benchmarks.pass_cost --precision float16    # the float16 target (no padding: it needs none)
+    python -m benchmarks.pass_cost --draft qwen2.5-coder-0.5b-instruct --sizes 1   # the int8 draft's step, same turns
 
 Loads the target once, as the engine does. A warm KV cache of --context tokens (the start of engine/exact/proposers.py),
 then one pass of m tokens, the cache cropped back after it; the sizes take turns round by round, so that a drift in
@@ -25,6 +27,7 @@ from benchmarks.timing import code_context, forward_ms_in_turns
 from engine.exact.forward import forward
 from engine.loading.models import load
 from engine.exact.optimize import MIN_ROWS, PackedLinear
+from engine.exact.precision import PRECISIONS
 from engine.setup import setup
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -67,20 +70,28 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=12, help="timed passes per size")
     p.add_argument("--min-rows", type=int, nargs="+", default=[MIN_ROWS],
                    help="short passes padded to this many rows (1: none); several: each, side by side")
+    p.add_argument("--precision", default="float32", choices=PRECISIONS, help="the target's (engine.exact.precision)")
+    p.add_argument("--draft", help="also time this draft model (loaded as the engines load a draft: int8), per m")
     args = p.parse_args(argv)
 
-    target = load(args.target, "target")
+    target = load(args.target, "target", precision=args.precision)
     context = code_context(target.tokenizer, args.context)
     if max(args.sizes) > len(context):
         raise SystemExit(f"--sizes: at most {len(context)} tokens per pass with --context {args.context}")
     with torch.inference_mode():
         ms = padded_pass_ms(target.model, context, args.sizes, args.min_rows, args.rounds)
+        if args.draft:  # timed after the target's turns
+            draft = load(args.draft, "draft", int8=True)
+            draft_ms = pass_ms(draft.model, context, args.sizes, args.rounds)
 
     out = sys.stdout
-    out.write(f"\nTarget {target.name} on {target.device}; one forward pass over m tokens after {len(context)} "
-              f"cached tokens, median of {args.rounds} (interquartile range); {torch.get_num_threads()} threads. "
+    named = target.name if args.precision != "float32" else f"{target.name} (float32)"  # float16 names itself
+    out.write(f"\nTarget {named} on {target.device}; one forward pass over m tokens after "
+              f"{len(context)} cached tokens, median of {args.rounds} (interquartile range); "
+              f"{torch.get_num_threads()} threads. "
               f"\"Padded to n\": passes under n rows run as n rows; the ratio is to a plain step (m = 1) padded to "
-              f"{args.min_rows[0]}.\n\n")
+              f"{args.min_rows[0]}." + (" float16 pads nothing: every column times the same passes." if
+                                        args.precision != "float32" else "") + "\n\n")
     out.write("| m (drafts + 1) | " + " | ".join(f"padded to {r}: ms / pass | vs a plain step" for r in args.min_rows)
               + " |\n|" + " --- |" * (1 + 2 * len(args.min_rows)) + "\n")
     base = statistics.median(ms[args.sizes[0], args.min_rows[0]]) if args.sizes[0] == 1 else None
@@ -92,6 +103,12 @@ def main(argv=None) -> int:
             q1, _, q3 = statistics.quantiles(times, n=4)
             cells += [f"{value:.1f} ({q1:.0f}-{q3:.0f})", f"{value / base:.2f}x" if base else "n/a"]
         out.write(f"| {m} | " + " | ".join(cells) + " |\n")
+    if args.draft:
+        out.write(f"\nDraft {draft.name} (int8), the same passes; the ratio is to the target's plain step above.\n\n"
+                  "| m | ms / pass | vs the target's plain step |\n| --- | --- | --- |\n")
+        for m in args.sizes:
+            value = statistics.median(draft_ms[m])
+            out.write(f"| {m} | {value:.1f} | {value / base:.2f}x |\n" if base else f"| {m} | {value:.1f} | n/a |\n")
     return 0
 
 

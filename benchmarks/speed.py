@@ -6,15 +6,16 @@
     python -m benchmarks.speed --variants hybrid      levers side by side: each configuration runs on every prompt,
                                                       against the same baseline and HF runs of the same repeat
 
-All four runs of a prompt use the same two model objects with the same optimisations (prepacked float32 target,
-int8 draft on CPU), greedy decoding (whatever temperature a suite gives), the chat template (with a multi-turn
-prompt's earlier turns) and the same token budget. Within one repeat a prompt runs on all four back to back, in
-the reverse order on odd repeats so that a drift in the machine's speed favours none of them; repeats are full
-passes over the prompts. Per prompt, each figure is the median over repeats of the figure measured within one
-repeat (speedup, ours/HF are within-repeat ratios); per category, per suite and overall, the median over prompts,
-with a 95 % percentile bootstrap interval over prompts for speedup and ours/HF. Machine noise: the coefficient of
-variation of the baseline's tok/s over the repeats of a prompt (median over prompts). A preset without a draft
-model (n-gram drafting) has nothing to hand HF assisted generation: its columns read n/a and HF is not run.
+All four runs of a prompt use the same two model objects with the same optimisations (prepacked float32 target, or
+float16 with --precision float16; int8 draft on CPU), greedy decoding (whatever temperature a suite gives), the chat
+template (with a multi-turn prompt's earlier turns) and the same token budget. Within one repeat a prompt runs on
+all four back to back, in the reverse order on odd repeats so that a drift in the machine's speed favours none of
+them; repeats are full passes over the prompts. Per prompt, each figure is the median over repeats of the figure
+measured within one repeat (speedup, ours/HF are within-repeat ratios); per category, per suite and overall, the
+median over prompts, with a 95 % percentile bootstrap interval over prompts for speedup and ours/HF. Machine noise:
+the coefficient of variation of the baseline's tok/s over the repeats of a prompt (median over prompts). A preset
+without a draft model (n-gram drafting) has nothing to hand HF assisted generation: its columns read n/a and HF is
+not run.
 Prints a markdown table; nothing here is a test.
 """
 
@@ -34,6 +35,7 @@ from pathlib import Path
 import torch
 
 from engine.exact.backend import LocalBackend
+from engine.exact.precision import PRECISIONS
 from engine.methods import METHODS
 from engine.request import Request
 from engine.events import RunResult
@@ -358,6 +360,8 @@ def main(argv=None) -> int:
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="FR-Spec: our draft model drafts among its N most frequent tokens (0 = all)")
     p.add_argument("--min-rows", type=int, default=MIN_ROWS, help="target passes padded to this many rows (1: none)")
+    p.add_argument("--precision", default="float32", choices=PRECISIONS,
+                   help="the target's weights (engine.exact.precision); HF runs on the same model object")
     p.add_argument("--variants", nargs="*", default=[], metavar="SETTINGS",
                    help="more speculative configurations, each run on every prompt beside the main one and\n"
                         "compared with the same baseline and HF runs: a method and/or settings of a run,\n"
@@ -373,7 +377,7 @@ def main(argv=None) -> int:
     if not plan:
         log.error("no prompts to run")
         return 2
-    backend = LocalBackend.from_preset(args.preset, min_rows=args.min_rows)
+    backend = LocalBackend.from_preset(args.preset, min_rows=args.min_rows, precision=args.precision)
     counter = PassCounter(backend.target.model)
     method = args.method or PRESETS[args.preset].method
     with_hf = backend.draft is not None
@@ -421,8 +425,9 @@ def main(argv=None) -> int:
     repeats = f"{args.repeats} repeat{'s' if args.repeats != 1 else ''}"
     repeats += " (interrupted: fewer for some prompts)" if interrupted else ""
     out.write(f"\nPrompts: {describe_prompts(plan, args.sample_seed)}; {repeats}, engine order reversed "
-              f"on odd repeats; greedy; {args.max_new_tokens} new tokens; preset {args.preset} (method {method}, {kind}, confidence "
-              f"floor {args.confidence}, draft vocabulary {args.draft_vocab or 'full'}); machine: {machine()}; "
+              f"on odd repeats; greedy; {args.max_new_tokens} new tokens; preset {args.preset} "
+              f"({args.precision} target, method {method}, {kind}, confidence floor {args.confidence}, draft "
+              f"vocabulary {args.draft_vocab or 'full'}); machine: {machine()}; "
               f"{datetime.date.today().isoformat()}.\n\n")
     out.write(table(rows) + "\n\n")
     out.write("Per prompt the median over repeats of within-repeat figures; per row the median over prompts, with "

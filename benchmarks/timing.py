@@ -11,7 +11,7 @@ from engine.exact.forward import forward, new_cache, rollback
 
 def code_context(tokenizer, n: int) -> list[int]:
     """The first n tokens of engine/exact/proposers.py (code, comments and English docstrings)."""
-    source = (Path(__file__).resolve().parent.parent / "engine" / "proposers.py").read_text()
+    source = (Path(__file__).resolve().parent.parent / "engine" / "exact" / "proposers.py").read_text()
     return tokenizer(source, add_special_tokens=False)["input_ids"][:n]
 
 

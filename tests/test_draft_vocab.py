@@ -1,6 +1,8 @@
 """FR-Spec: the draft model's output layer pruned to its most frequent tokens (engine.exact.vocab). The ranking, the
 pruned layer's logits, and greedy output identical to the baseline however few tokens the draft keeps."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -46,6 +48,16 @@ def test_ranking_keeps_special_tokens_first_then_counts(smol_tokenizer):
     ids = kept_ids(ranking, 100, width=512)
     assert len(ids) == 100 and ids.max() < 512 and torch.equal(ids, ids.sort().values)
 
+
+def test_the_corpus_starts_with_our_readme_and_docs():
+    """The ranking's corpus reads README.md and docs/ first (their Markdown fences matter); a wrong path would skip
+    them without a word (it did once, after engine/ was split into subpackages)."""
+    from engine.exact.vocab import corpus
+
+    texts = corpus(limit=1)
+    root = Path(__file__).resolve().parent.parent
+    assert texts[0] == (root / "README.md").read_text(encoding="utf-8")
+    assert len(texts) >= 1 + len(list((root / "docs").glob("*.md")))
 
 def test_ranking_is_built_once_and_cached(smol_tokenizer, small_corpus, tmp_path, monkeypatch):
     first = token_ranking(smol_tokenizer)

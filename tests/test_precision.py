@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine.exact.optimize import linear_converter, prepare_draft, prepare_target
-from engine.exact.precision import HalfLinear, fp16_available
+from engine.exact.optimize import MIN_ROWS, linear_converter, prepare_draft, prepare_target
+from engine.exact.precision import HalfLinear, free_rows, fp16_available
 from tests.conftest import CPU, perturbed, tiny_llama
 from tests.test_greedy_exact import *  # the greedy identity tests, collected here again: they use tiny_pair below
 
@@ -80,12 +80,15 @@ def test_the_command_line_option_reaches_the_target(tmp_path, smol_tokenizer):
     tiny_llama(len(smol_tokenizer), seed=3).save_pretrained(tmp_path)
     smol_tokenizer.save_pretrained(tmp_path)
     parser, _ = parsers()
-    for precision, layers in (("float16", 2 * 7 + 1), ("float32", 0)):
+    # float16's target says so in its name, and has no token tree (its rows are not free); no option: float32
+    for option, layers, tree_rows in ((["--precision", "float16"], 2 * 7 + 1, 0), ([], 0, MIN_ROWS)):
         args = parser.parse_args(["demo", "--preset", "smollm2-ngram", "--target", str(tmp_path), "--prompt", "Hi",
-                                  "--precision", precision])
+                                  *option])
         backend = local_host(args).factory(None)
         assert len([m for m in backend.target.model.modules() if isinstance(m, HalfLinear)]) == layers
         assert not [m for m in backend.target.model.modules() if isinstance(m, nn.Linear)]
+        assert backend.tree_rows == tree_rows == free_rows("float16" if layers else "float32", MIN_ROWS)
+        assert backend.describe()["target_model"].endswith("(float16)") == bool(layers)
 
 
 def test_precision_benchmark_times_every_variant_in_turns(capsys):

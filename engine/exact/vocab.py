@@ -42,7 +42,7 @@ def corpus(limit: int = CORPUS_CHARS) -> list[str]:
     standard library's tests and site-packages are left out: the first is repetitive, the second differs between
     machines.
     (The source alone lacks Markdown: without the README a code answer's ``` fence fell outside 32768 tokens.)"""
-    project = Path(__file__).resolve().parent.parent
+    project = Path(__file__).resolve().parents[2]  # engine/exact/vocab.py
     pages = [project / "README.md", *sorted((project / "docs").glob("*.md"))]
     texts = [page.read_text(encoding="utf-8") for page in pages if page.exists()]
     size = sum(map(len, texts))

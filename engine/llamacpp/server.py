@@ -29,7 +29,7 @@ from engine.vllm.server import VLLMError
 
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the project: engine/llamacpp/server.py
 
 # --llamacpp-method -> (llama.cpp's speculative type, the CommonParamsSpeculative member that holds its settings).
 # "draft" is llama-server's --spec-type draft-simple (-md), the others its --spec-type names.

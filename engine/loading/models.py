@@ -113,7 +113,7 @@ def load(
         nbytes = _resident_bytes(model)
     if on_progress:
         on_progress(f"loading {role} {Path(spec).name}", 1, 1)
-    return LoadedModel(Path(spec).name, model, tokenizer, device, nbytes)
+    return LoadedModel(_name(spec, role, precision), model, tokenizer, device, nbytes)
 
 
 def _load_gguf(spec: str, role: str, device: torch.device, int8: bool, min_rows: int,
@@ -137,7 +137,14 @@ def _load_gguf(spec: str, role: str, device: torch.device, int8: bool, min_rows:
     model = finish(model, role)
     nbytes = _int8_size(model) if role == "draft" and int8 else _resident_bytes(model)
     _trim_heap()
-    return LoadedModel(Path(spec).name, model, tokenizer, device, nbytes)
+    return LoadedModel(_name(spec, role, precision), model, tokenizer, device, nbytes)
+
+
+def _name(spec: str, role: str, precision: str) -> str:
+    """The model's name in the page, the history and the CSV: a target in other than float32 says so (it computes
+    other numbers, so its runs are not the float32 target's)."""
+    name = Path(spec).name
+    return name if role != "target" or precision == "float32" else f"{name} ({precision})"
 
 
 def _trim_heap() -> None:
