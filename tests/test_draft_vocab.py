@@ -59,6 +59,7 @@ def test_the_corpus_starts_with_our_readme_and_docs():
     assert texts[0] == (root / "README.md").read_text(encoding="utf-8")
     assert len(texts) >= 1 + len(list((root / "docs").glob("*.md")))
 
+
 def test_ranking_is_built_once_and_cached(smol_tokenizer, small_corpus, tmp_path, monkeypatch):
     first = token_ranking(smol_tokenizer)
     assert len(list((tmp_path / "vocab").glob("ranking-49152-*.npy"))) == 1

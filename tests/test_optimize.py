@@ -46,7 +46,6 @@ def test_pass_cost_times_each_padding_and_restores_the_models(tiny_pair):
     assert all(layer.min_rows == MIN_ROWS for layer in layers)  # the shared fixture is left as it was loaded
 
 
-
 def test_the_benchmarks_context_is_our_own_code(smol_tokenizer):
     """benchmarks.pass_cost, draft_head and stop_replay time passes after a context read from one of our files
     (it moved once, with the engine's subpackages, and the benchmarks failed to start)."""
@@ -54,6 +53,7 @@ def test_the_benchmarks_context_is_our_own_code(smol_tokenizer):
 
     context = code_context(smol_tokenizer, 200)
     assert len(context) == 200 and "Proposer" in smol_tokenizer.decode(context)
+
 
 def test_padding_benchmark_runs_each_engine_under_each_padding(backend):
     from benchmarks.padding import compare

@@ -158,6 +158,7 @@ def test_the_charts_are_drawn_before_the_word(console, browser, monkeypatch):
     assert len(draws) >= 6, draws  # three charts, drawn at least twice during the run
     assert not any(draws), f"{sum(draws)} of {len(draws)} chart draws came after the page said it had drawn"
 
+
 def test_a_page_that_does_not_answer_is_waited_for_once(console):
     """An API client has no page to draw: the first update waits ACK_WAIT_S for an answer, the rest do not."""
     url, history = console

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from engine.exact.optimize import MIN_ROWS, linear_converter, prepare_draft, prepare_target
-from engine.exact.precision import HalfLinear, free_rows, fp16_available
+from engine.exact.precision import HalfLinear, fp16_available, free_rows
 from tests.conftest import CPU, perturbed, tiny_llama
 from tests.test_greedy_exact import *  # the greedy identity tests, collected here again: they use tiny_pair below
 
