@@ -1,0 +1,168 @@
+"""A candidate form for the draft, side by side with the engines' own: weight-only int4 layers (groups of 32, the
+activations rounded to bfloat16 for torch's int4 kernel) and the int8 output layer, against the engines' int8 draft
+(torch's dynamic int8 Linear everywhere, engine.exact.optimize.quantize_linear), drafting for the same target in one
+process. Measured on 2026-12-01 and not kept (docs/memory.md#the-draft-in-int4-measured-not-kept).
+
+    python -m benchmarks.draft_form --humaneval-prompts 4 --mtbench-prompts 4 --repeats 2
+    python -m benchmarks.draft_form --int4-max-rows 8    # passes of more rows (the prompt) on an int8 copy
+    python -m benchmarks.draft_form --precision float16
+
+Per prompt and repeat, the speculative engine runs once with each draft (the order alternating), greedy, hybrid
+drafting as the default preset. Prints per draft: how often its greedy choice is the target's next token (teacher
+forced on the target's own output), the acceptance rate, tokens per target pass, one draft step's ms, tok/s, and the
+ratio of the two drafts' tok/s with a 95 % bootstrap interval over prompts. Both outputs must equal the baseline's
+(the guarantee holds whatever the draft); a difference is printed. Nothing here is a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+
+import torch
+from torch import nn
+
+from benchmarks.speed import add_sample_args, machine, run_engine, sample_plan
+from benchmarks.timing import code_context, forward_ms_in_turns
+from engine.analysis.stats import bootstrap_ci
+from engine.exact.backend import LocalBackend
+from engine.exact.forward import forward, new_cache
+from engine.exact.optimize import MIN_ROWS, quantize_linear
+from engine.exact.precision import PRECISIONS, free_rows
+from engine.loading.models import load
+from engine.presets import PRESETS
+from engine.request import Request
+from engine.setup import setup
+
+log = logging.getLogger("benchmarks.draft_form")
+FORMS = ("int4 layers", "int8 (the engines')")
+GROUP = 32  # weights per int4 scale and offset, along the input dimension (a GGUF Q4/Q8 block's size)
+
+
+class Int4Linear(nn.Module):
+    """Weight-only int4: each group of GROUP weights of an output row as 4-bit steps between its minimum and maximum;
+    the activations rounded to bfloat16 (aten._weight_int4pack_mm_for_cpu is vectorized on x86 for bfloat16 only).
+    Passes of more than `max_rows` rows run on an int8 copy (the int4 kernel takes a row at a time); None: never."""
+
+    def __init__(self, linear: nn.Linear, max_rows: int | None = None):
+        super().__init__()
+        self.in_features, self.out_features, self.max_rows = linear.in_features, linear.out_features, max_rows
+        groups = linear.weight.detach().float().reshape(self.out_features, -1, GROUP)  # [N, K/G, G]
+        low, high = groups.amin(-1), groups.amax(-1)  # [N, K/G]
+        # the kernel computes (q - 8) * scale + offset, q in 0..15, scale and offset in bfloat16
+        scale = ((high - low) / 15).clamp_min(torch.finfo(torch.bfloat16).tiny).to(torch.bfloat16)
+        offset = (low + 8 * scale.float()).to(torch.bfloat16)
+        q = ((groups - offset.float()[..., None]) / scale.float()[..., None] + 8).round().clamp(0, 15)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            q.to(torch.int32).reshape(self.out_features, self.in_features), 1)  # [N, K/2] uint8
+        self.scale_offset = torch.stack([scale.t(), offset.t()], dim=-1).contiguous()  # [K/G, N, 2]
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+        self.wide = quantize_linear(linear) if max_rows is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] float32
+        if self.wide is not None and x.numel() > self.max_rows * self.in_features:
+            return self.wide(x)
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [R, in]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scale_offset).float()
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def int4_draft(model: nn.Module, max_rows: int | None) -> nn.Module:
+    """The draft's layers as Int4Linear where the kernel takes their shapes; the output layer stays int8."""
+    head = model.get_output_embeddings()
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                fits = child.in_features % GROUP == 0 and child.out_features % 16 == 0
+                setattr(module, name, Int4Linear(child, max_rows) if fits and child is not head
+                        else quantize_linear(child))
+    return model
+
+
+def load_drafts(name: str, max_rows: int | None) -> dict:
+    """The draft in the candidate form, and as the engines load it."""
+    candidate = load(name, "draft", int8=False)
+    int4_draft(candidate.model, max_rows)
+    return {FORMS[0]: candidate, FORMS[1]: load(name, "draft", int8=True)}
+
+
+def agreement(draft, prompt_ids: list[int], output: list[int]) -> float:
+    """How often the draft's greedy next token is the target's, fed the target's own output."""
+    logits = forward(draft.model, prompt_ids + output[:-1], new_cache(draft.model), keep=len(output))
+    return float((logits.argmax(-1) == torch.tensor(output)).float().mean())
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    setup()
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_sample_args(p, mtbench=4)
+    p.set_defaults(humaneval_prompts=4)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--precision", default="float32", choices=PRECISIONS, help="the target's")
+    p.add_argument("--int4-max-rows", type=int, help="passes of more rows run on an int8 copy (default: none do)")
+    args = p.parse_args(argv)
+    preset = PRESETS["qwen-coder"]
+    plan = sample_plan(args)
+
+    target = load(preset.target, "target", precision=args.precision)
+    drafts = load_drafts(preset.draft, args.int4_max_rows)
+    backends = {form: LocalBackend(target, d, free_rows(args.precision, MIN_ROWS)) for form, d in drafts.items()}
+    with torch.inference_mode():
+        context = code_context(target.tokenizer, 200)
+        step_ms = {form: statistics.median(forward_ms_in_turns(
+            d.model, context, {1: lambda cache, m=d.model: forward(m, context[:1], cache, keep=1)}, 15, 2)[1])
+            for form, d in drafts.items()}
+    requests = [Request(prompt=item.prompt, earlier_turns=item.earlier_turns, max_new_tokens=args.max_new_tokens,
+                        method=preset.method) for _, item in plan]
+    for b in backends.values():  # warm-up
+        run_engine(b, "speculative", Request(prompt="Hello", max_new_tokens=8, method=preset.method))
+
+    rows = {form: [[] for _ in plan] for form in FORMS}
+    differ: set[int] = set()
+    outs: list[list[int]] = [[] for _ in plan]
+    for r in range(args.repeats):
+        for i, req in enumerate(requests):
+            outputs = {}
+            for form in FORMS if (r + i) % 2 == 0 else FORMS[::-1]:
+                s = run_engine(backends[form], "speculative", req)
+                outputs[form] = s.output_ids
+                rows[form][i].append({"tps": s.metrics["tokens_per_s"], "acceptance": s.metrics["acceptance_rate"],
+                                      "per_pass": len(s.output_ids) / max(1, len(s.steps))})
+            if len(set(map(tuple, outputs.values()))) > 1:
+                differ.add(i)
+                log.warning("prompt %d: the two drafts' outputs differ (greedy output must not depend on the draft)",
+                            i)
+            outs[i] = outputs[FORMS[0]]
+            log.info("repeat %d, prompt %d: %s", r + 1, i + 1,
+                     {f: round(rows[f][i][-1]["tps"], 2) for f in FORMS})
+    with torch.inference_mode():  # agreement, teacher forced on the target's output (greedy: the baseline's)
+        ids = [backends[FORMS[0]].prompt_ids(req) for req in requests]
+        agree = {form: [agreement(d, pi, o) for pi, o in zip(ids, outs)] for form, d in drafts.items()}
+
+    med = statistics.median
+    per_prompt = {form: [{k: med(x[k] for x in reps) for k in reps[0]} for reps in rows[form]] for form in FORMS}
+    out = sys.stdout
+    wide = "" if args.int4_max_rows is None else f", int4 passes of more than {args.int4_max_rows} rows on int8"
+    out.write(f"\nDraft forms{wide}: {preset.draft} for {target.name}; {len(plan)} prompts "
+              f"(HumanEval {args.humaneval_prompts}, MT-Bench {args.mtbench_prompts}, seed {args.sample_seed}), "
+              f"{args.repeats} repeats, {args.max_new_tokens} new tokens, greedy, {preset.method} drafting; medians "
+              f"over prompts; machine: {machine()}\n\n")
+    out.write("| draft | agrees with the target | acceptance | tokens per target pass | draft step ms | tok/s |\n"
+              "| --- | --- | --- | --- | --- | --- |\n")
+    for form in FORMS:
+        pp = per_prompt[form]
+        out.write(f"| {form} | {med(agree[form]):.2f} | {med(x['acceptance'] for x in pp):.2f} | "
+                  f"{med(x['per_pass'] for x in pp):.2f} | {step_ms[form]:.1f} | {med(x['tps'] for x in pp):.2f} |\n")
+    ratio = [a["tps"] / b["tps"] for a, b in zip(per_prompt[FORMS[0]], per_prompt[FORMS[1]])]
+    point, low, high = bootstrap_ci(ratio)
+    out.write(f"\ntok/s {FORMS[0]} / {FORMS[1]}: {point:.2f} [{low:.2f}, {high:.2f}] (per prompt: "
+              + ", ".join(f"{x:.2f}" for x in ratio) + f"); outputs identical on {len(plan) - len(differ)}/{len(plan)}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
