@@ -29,8 +29,8 @@ from benchmarks.timing import code_context, forward_ms_in_turns
 from engine.analysis.stats import bootstrap_ci
 from engine.exact.backend import LocalBackend
 from engine.exact.forward import forward, new_cache
-from engine.exact.optimize import MIN_ROWS, quantize_linear
-from engine.exact.precision import PRECISIONS, free_rows
+from engine.exact.optimize import quantize_linear
+from engine.exact.precision import PRECISIONS
 from engine.loading.models import load
 from engine.presets import PRESETS
 from engine.request import Request
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
 
     target = load(preset.target, "target", precision=args.precision)
     drafts = load_drafts(preset.draft, args.int4_max_rows)
-    backends = {form: LocalBackend(target, d, free_rows(args.precision, MIN_ROWS)) for form, d in drafts.items()}
+    backends = {form: LocalBackend(target, d) for form, d in drafts.items()}
     with torch.inference_mode():
         context = code_context(target.tokenizer, 200)
         step_ms = {form: statistics.median(forward_ms_in_turns(

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine.exact.optimize import MIN_ROWS, linear_converter, prepare_draft, prepare_target
-from engine.exact.precision import HalfLinear, fp16_available, free_rows
+from engine.exact.optimize import MIN_ROWS, free_rows, linear_converter, prepare_draft, prepare_target
+from engine.exact.precision import HalfLinear, fp16_available
 from tests.conftest import CPU, perturbed, tiny_llama
 from tests.test_greedy_exact import *  # the greedy identity tests, collected here again: they use tiny_pair below
 
@@ -87,8 +87,22 @@ def test_the_command_line_option_reaches_the_target(tmp_path, smol_tokenizer):
         backend = local_host(args).factory(None)
         assert len([m for m in backend.target.model.modules() if isinstance(m, HalfLinear)]) == layers
         assert not [m for m in backend.target.model.modules() if isinstance(m, nn.Linear)]
-        assert backend.tree_rows == tree_rows == free_rows("float16" if layers else "float32", MIN_ROWS)
+        assert backend.tree_rows == tree_rows == free_rows(backend.target.model)
         assert backend.describe()["target_model"].endswith("(float16)") == bool(layers)
+
+
+def test_the_token_tree_follows_the_targets_linears(smol_tokenizer):
+    """A backend built by hand (not from a preset) still gets no tree with a float16 target, and the padding's rows
+    with a float32 one: the rule reads the target's Linears, not the options it was loaded with."""
+    from engine.exact.backend import LocalBackend
+    from engine.loading.models import LoadedModel
+
+    half = prepare_target(tiny_llama(512, seed=1), CPU, precision="float16")
+    assert LocalBackend(LoadedModel("tiny", half, smol_tokenizer, CPU)).tree_rows == 0
+    padded = prepare_target(tiny_llama(512, seed=1), CPU, min_rows=3)
+    assert LocalBackend(LoadedModel("tiny", padded, smol_tokenizer, CPU)).tree_rows == 3
+    assert LocalBackend(LoadedModel("tiny", padded, smol_tokenizer, CPU), tree_rows=0).tree_rows == 0
+    assert free_rows(tiny_llama(512, seed=1)) == MIN_ROWS  # plain Linears (a GPU's target): as before
 
 
 def test_precision_benchmark_times_every_variant_in_turns(capsys):

@@ -62,6 +62,22 @@ def test_fair_mode_clocks_exclude_the_other_engine(backend):
         assert own <= r.total_s <= log.clocks[engine](), engine
 
 
+def test_turn_gaps_stand_where_the_page_waits_and_are_not_timed(backend):
+    """benchmarks.turn_gap's premise: its gap is waited where a fair turn waits for the page, before every turn, and
+    the engines' clocks do not count it (the run's wall time does)."""
+    from benchmarks.turn_gap import Gap, run
+
+    req = Request(prompt="hello there", max_new_tokens=12, method="draft", k=2)
+    gap = Gap(0.02)
+    t = time.perf_counter()
+    results = run(backend, req, [], gap)
+    wall = time.perf_counter() - t
+    passes = sum(len(r.steps) for r in results.values())
+    assert gap.waits >= passes  # a wait before every turn, and a turn per target pass
+    # each engine's last turn only finds its stream ended, and may wait after the run ended: not within `wall`
+    assert sum(r.total_s for r in results.values()) < wall - 0.02 * (gap.waits - len(results))
+
+
 def test_engine_clock_pauses():
     clock = EngineClock()
     clock.resume()

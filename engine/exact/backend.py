@@ -15,8 +15,7 @@ from engine.methods import PROPOSERS, needs_draft
 from engine.loading.models import LoadedModel, ModelError, check_pair, load, pick_device
 from engine.presets import PRESETS, Preset
 from engine.prompts import encode_prompt
-from engine.exact.optimize import MIN_ROWS
-from engine.exact.precision import free_rows
+from engine.exact.optimize import MIN_ROWS, free_rows
 from engine.backend import Capabilities
 from engine.exact.policy import SpecPolicy
 from engine.exact.proposers import Draft
@@ -37,13 +36,13 @@ class LocalBackend:
     capabilities = Capabilities(knows_rejected=True, per_request_drafting=True, can_reconfigure=False,
                                 concurrent_requests=False, fair_strategy="alternate")
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, tree_rows: int = MIN_ROWS):
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, tree_rows: int | None = None):
         if draft is not None:
             check_pair(target, draft)
         self.target, self.draft = target, draft
-        # the pass size a token tree fills up to (engine.exact.tree): rows a pass of fewer costs anyway (a float32
-        # target pads to engine.exact.optimize.MIN_ROWS; engine.exact.precision.free_rows)
-        self.tree_rows = tree_rows
+        # the pass size a token tree fills up to (engine.exact.tree): rows a pass of fewer costs anyway; None: what
+        # the target's Linears give (engine.exact.optimize.free_rows)
+        self.tree_rows = free_rows(target.model) if tree_rows is None else tree_rows
         self.target_step_ms: float | None = None  # measured by baseline runs; lets the fallback judge from the first step
         self.verify_ms: dict[int, float] = {}  # target pass over m tokens -> ms, learned by speculative runs
         self.heads: dict[int, PrunedHead] = {}  # FR-Spec: the draft's pruned output layer per vocabulary size
@@ -60,14 +59,14 @@ class LocalBackend:
         dev = pick_device(device)
         if not preset.draft:
             return cls(load(preset.target, "target", dev, min_rows=min_rows, on_progress=on_progress,
-                            precision=precision), None, free_rows(precision, min_rows))
+                            precision=precision), None)
         # both at once: each load keeps a core busy only part of the time (reading, dequantizing, packing take turns),
         # so together they start ~30 % sooner on two cores; the peak stays the two models plus one tensor each
         with ThreadPoolExecutor(2, thread_name_prefix="load") as pool:
             draft = pool.submit(load, preset.draft, "draft", dev, int8=preset.int8_draft, on_progress=on_progress)
             target = pool.submit(load, preset.target, "target", dev, min_rows=min_rows, on_progress=on_progress,
                                  precision=precision)
-            return cls(target.result(), draft.result(), free_rows(precision, min_rows))
+            return cls(target.result(), draft.result())
 
     def variants(self) -> dict[str, dict]:
         return {}  # the extras of an N-way run are the page's presets (specconsole.variants), served per request

@@ -103,6 +103,17 @@ class PackedLinear(nn.Module):
         return y[..., :rows, :]
 
 
+def free_rows(model: nn.Module) -> int:
+    """The pass size a token tree fills up to (engine.exact.tree): rows that cost (almost) nothing more. A float32 CPU
+    target pads its short passes to its PackedLinears' min_rows anyway. A float16 one (HalfLinear) pads nothing, and
+    each row past the second costs 12-16 % of a plain step (`python -m benchmarks.pass_cost --precision float16`,
+    docs/memory.md): no tree. Any other (a GPU's): MIN_ROWS."""
+    layers = [m for m in model.modules() if isinstance(m, (PackedLinear, HalfLinear))]
+    if any(isinstance(m, HalfLinear) for m in layers):
+        return 0
+    return min((m.min_rows for m in layers), default=MIN_ROWS)
+
+
 def convert_linears(model: nn.Module, convert) -> nn.Module:
     """Replace each nn.Linear of `model` by convert(linear) (see linear_converter)."""
     for module in list(model.modules()):

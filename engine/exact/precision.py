@@ -35,13 +35,6 @@ def check_precision(precision: str, device: torch.device) -> None:
                          "use float32")
 
 
-def free_rows(precision: str, min_rows: int) -> int:
-    """The pass size a token tree fills up to (engine.exact.tree), rows that cost (almost) nothing more. float32 pads
-    short passes to `min_rows` rows anyway; float16 pads nothing, and each row past the second costs 12-16 % of a
-    plain step (`python -m benchmarks.pass_cost --precision float16`, docs/memory.md): no tree."""
-    return min_rows if precision == "float32" else 0
-
-
 class HalfLinear(nn.Module):
     """nn.Linear with float16 weights packed for fbgemm; float32 in, float32 out."""
 
