@@ -4,7 +4,7 @@
     python benchmarks/footprint.py --cold           # also a start from the downloaded wheels only (no download:
                                                     # the cache's wheels are hard-linked into a scratch cache)
     python benchmarks/footprint.py --code /tmp/old  # the same measurement for another checkout (before/after)
-    python benchmarks/footprint.py --precision float16   # the target in float16 (engine.exact.precision)
+    python benchmarks/footprint.py --precision float16   # the target in float16 or int8 (engine.exact.precision)
 
 Figures: RSS and USS (psutil memory_full_info) once loaded and after a short greedy run on both engines; peak RSS
 (getrusage ru_maxrss) and peak USS (sampled every 0.1 s); seconds from process start (imports included) to a
@@ -157,7 +157,7 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen-coder")
     ap.add_argument("--cold", action="store_true", help="also measure a start from the wheels only")
     ap.add_argument("--code", type=Path, default=ROOT, help="checkout whose engine is measured")
-    ap.add_argument("--precision", default="float32", choices=("float32", "float16"), help="the target's weights")
+    ap.add_argument("--precision", default="float32", choices=("float32", "float16", "int8"), help="the target's weights")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

@@ -11,7 +11,8 @@ attention over several queries. We replace them with:
   pass over fewer than `min_rows` (5) rows runs padded to 5: exact, and faster for every engine that uses the
   target (the baseline, ours and HF assisted generation alike).
   With precision "float16" the Linears are engine.exact.precision's `HalfLinear` instead: half the bytes, each row
-  exact for any number of rows, no padding.
+  exact for any number of rows, no padding; with "int8", engine.exact.grouped_int8's `GroupedInt8Linear` (a
+  third of float32's bytes, llama.cpp's arithmetic, each row exact, no padding).
 - `rowwise_attention`: each query of a short pass attends with its own single-query SDPA call, exactly the
   call the baseline makes at that position. Long passes (the prompt) use one fused causal call; both engines
   prefill the same prompt with the same call, so their caches agree.
@@ -30,6 +31,7 @@ from torch import nn
 
 from engine.exact import tree
 from engine.exact.forward import PassLayout
+from engine.exact.grouped_int8 import GroupedInt8Linear
 from engine.exact.precision import HalfLinear, check_precision
 
 log = logging.getLogger(__name__)
@@ -107,9 +109,10 @@ def free_rows(model: nn.Module) -> int:
     """The pass size a token tree fills up to (engine.exact.tree): rows that cost (almost) nothing more. A float32 CPU
     target pads its short passes to its PackedLinears' min_rows anyway. A float16 one (HalfLinear) pads nothing, and
     each row past the second costs 12-16 % of a plain step (`python -m benchmarks.pass_cost --precision float16`,
-    docs/memory.md): no tree. Any other (a GPU's): MIN_ROWS."""
-    layers = [m for m in model.modules() if isinstance(m, (PackedLinear, HalfLinear))]
-    if any(isinstance(m, HalfLinear) for m in layers):
+    docs/memory.md): no tree. Nor for int8 (GroupedInt8Linear), whose extra rows cost more still. Any other (a
+    GPU's): MIN_ROWS."""
+    layers = [m for m in model.modules() if isinstance(m, (PackedLinear, HalfLinear, GroupedInt8Linear))]
+    if any(isinstance(m, (HalfLinear, GroupedInt8Linear)) for m in layers):
         return 0
     return min((m.min_rows for m in layers), default=MIN_ROWS)
 
@@ -172,6 +175,8 @@ def linear_converter(role: str, device: torch.device, min_rows: int = MIN_ROWS, 
         check_precision(precision, device)
         if precision == "float16":
             return HalfLinear
+        if precision == "int8":
+            return GroupedInt8Linear
     if role == "target" and cpu and torch.backends.mkldnn.is_available():
         return lambda linear: PackedLinear(linear, min_rows)
     if role == "draft" and int8 and cpu:

@@ -8,9 +8,10 @@ PackedLinear, every pass size gives each row the same bits (tests/test_precision
 speculative output equals the baseline's, and no padding is needed. The weights are the float32 ones rounded to
 float16 (relative error at most 2^-11), so the text may part from a float32 target's after some tokens.
 
-Weight-only int8 does not pay in this torch: aten._weight_int8pack_mm is vectorized on x86 only for bfloat16 and
-float16 activations; with float32 ones (which exactness needs: per-batch activation scales are not per-row exact) it
-is a scalar loop, slower than float32 (`python -m benchmarks.target_precision`).
+"int8" (engine.exact.grouped_int8) goes further with a kernel of our own: weight codes 0..120 in groups of 32 and
+activations quantized per row and group, as llama.cpp computes. torch's own weight-only int8
+(aten._weight_int8pack_mm) does not pay: vectorized on x86 only for bfloat16 and float16 activations, a scalar loop
+for float32 ones (`python -m benchmarks.target_precision`), and not per-row exact with per-batch activation scales.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-PRECISIONS = ("float32", "float16")  # float32: engine.exact.optimize.PackedLinear, the reference
+PRECISIONS = ("float32", "float16", "int8")  # float32: engine.exact.optimize.PackedLinear, the reference
 
 
 def fp16_available(device: torch.device) -> bool:
@@ -33,6 +34,12 @@ def check_precision(precision: str, device: torch.device) -> None:
     if precision == "float16" and not fp16_available(device):
         raise ValueError(f"the float16 target precision runs on CPU with torch's fbgemm (x86) only, not on {device}: "
                          "use float32")
+    if precision == "int8":
+        from engine.exact.grouped_int8 import unavailable
+
+        why = "it runs on CPU only" if device.type != "cpu" else unavailable()
+        if why:
+            raise ValueError(f"the int8 target precision cannot run here: {why}; use float32 or float16")
 
 
 class HalfLinear(nn.Module):

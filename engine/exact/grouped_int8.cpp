@@ -1,0 +1,210 @@
+// engine.exact.grouped_int8's kernel: y = x @ W.T (+ bias) for
+//   W[n, k] = scale[n, g] * code[n, k] + low[n, g]      g = k / 32, code in 0..120 (at most 127: see maddubs below)
+//   x[r, k] ~ xscale[r, g] * xq[r, k]                   xq in -127..127, xscale = max |x[r, group g]| / 127
+// so y[r, n] = sum over g of  int(code . xq) * (scale[n, g] * xscale[r, g])  +  low[n, g] * (xscale[r, g] * sum xq)
+// (+ bias[n]), the group's dot product an integer, the rest float32, summed over g in order.
+//
+// Layout: outputs in blocks of 16, one 32-bit lane each. For block b and group g, 512 bytes hold
+// code[16 b + j, 32 g + 4 q + t] at [q][j][t]: one vector of 16 lanes x 4 codes per q, against 4 activations
+// broadcast to every lane, so a block's 16 dot products grow side by side and no sum runs across lanes
+// (how llama.cpp and oneDNN lay out int8 weights). scale and low: [block][group][16].
+//
+// Each output element comes from its own input row by one fixed sequence of operations, whatever the number of
+// rows in the pass or which rows share a call: a row gets the same bits in a pass of 1 row or of 300
+// (tests/test_int8_target.py). Built with -ffp-contract=off, so the compiler fuses no multiply-add of its own.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+#include <cstring>
+
+namespace {
+
+constexpr int G = 32;        // weights and activations sharing one scale
+constexpr int LANES = 16;    // outputs in a block
+constexpr int BLOCK = G * LANES;  // bytes of codes per block and group
+
+inline int32_t quad(const int8_t* p) {  // 4 activations as one 32-bit lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// AVX2: a block as two halves of 8 lanes; maddubs + madd give each lane its 4 products' sum (code * xq <= 127 * 127,
+// a pair fits int16). R rows at a time.
+template <int R>
+void block_avx2(const uint8_t* code, const float* scale, const float* low, int64_t groups, const int8_t* const* xq,
+                const float* const* xs, const float* const* xl, float* const* y) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* c = code + g * BLOCK;
+    __m256i dot[R][2];
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    for (int q = 0; q < G / 4; ++q) {
+      const __m256i c0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + q * 64));
+      const __m256i c1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + q * 64 + 32));
+      for (int r = 0; r < R; ++r) {
+        const __m256i a = _mm256_set1_epi32(quad(xq[r] + g * G + q * 4));
+        dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(c0, a), ones));
+        dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(c1, a), ones));
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 s = _mm256_loadu_ps(scale + g * LANES + 8 * h), lo = _mm256_loadu_ps(low + g * LANES + 8 * h);
+      for (int r = 0; r < R; ++r) {
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(s, _mm256_set1_ps(xs[r][g])),
+                                    acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(lo, _mm256_set1_ps(xl[r][g]), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(y[r], acc[r][0]);
+    _mm256_storeu_ps(y[r] + 8, acc[r][1]);
+  }
+}
+
+// AVX-512 VNNI: dpbusd does maddubs + madd + add in one instruction, 16 lanes at once. Its sums are the same
+// integers and the float steps the same operations lane by lane: both kernels give the same bits.
+#define VNNI __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni")))
+
+template <int R>
+VNNI void block_vnni(const uint8_t* code, const float* scale, const float* low, int64_t groups,
+                     const int8_t* const* xq, const float* const* xs, const float* const* xl, float* const* y) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* c = code + g * BLOCK;
+    __m512i dot[R], odd[R];  // two chains of integer sums (exact, so any order): dpbusd's latency overlaps
+    for (int r = 0; r < R; ++r) dot[r] = odd[r] = _mm512_setzero_si512();
+    for (int q = 0; q < G / 4; q += 2) {
+      const __m512i c0 = _mm512_loadu_si512(c + q * 64), c1 = _mm512_loadu_si512(c + q * 64 + 64);
+      for (int r = 0; r < R; ++r) {
+        dot[r] = _mm512_dpbusd_epi32(dot[r], c0, _mm512_set1_epi32(quad(xq[r] + g * G + q * 4)));
+        odd[r] = _mm512_dpbusd_epi32(odd[r], c1, _mm512_set1_epi32(quad(xq[r] + g * G + q * 4 + 4)));
+      }
+    }
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_add_epi32(dot[r], odd[r]);
+    const __m512 s = _mm512_loadu_ps(scale + g * LANES), lo = _mm512_loadu_ps(low + g * LANES);
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(s, _mm512_set1_ps(xs[r][g])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xl[r][g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y[r], acc[r]);
+}
+
+constexpr int RB = 4;        // rows per block call
+constexpr int64_t ROWS_IN_CACHE = 64;  // rows whose activations stay in cache while every block passes
+
+using BlockFn = void (*)(const uint8_t*, const float*, const float*, int64_t, const int8_t* const*,
+                         const float* const*, const float* const*, float* const*);
+
+BlockFn avx2_fn(int r) {
+  switch (r) {
+    case 4: return block_avx2<4>;
+    case 3: return block_avx2<3>;
+    case 2: return block_avx2<2>;
+    default: return block_avx2<1>;
+  }
+}
+
+BlockFn vnni_fn(int r) {
+  switch (r) {
+    case 4: return block_vnni<4>;
+    case 3: return block_vnni<3>;
+    case 2: return block_vnni<2>;
+    default: return block_vnni<1>;
+  }
+}
+
+// x rows [M, K] float32 -> xq [M, K] int8, xscale [M, groups], xlow [M, groups] = xscale * the group's sum of xq
+std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, int64_t groups) {
+  const int64_t M = x.size(0), K = x.size(1);
+  auto xq = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+  auto sc = torch::empty({M, groups}, x.options());
+  auto lo = torch::empty({M, groups}, x.options());
+  const float* X = x.data_ptr<float>();
+  int8_t* Q = xq.data_ptr<int8_t>();
+  float* S = sc.data_ptr<float>();
+  float* L = lo.data_ptr<float>();
+  at::parallel_for(0, M * groups, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {  // group i of the flat [M * groups]: rows are contiguous
+      const float* v = X + i * G;
+      float amax = 0.f;
+      for (int k = 0; k < G; ++k) amax = std::max(amax, std::fabs(v[k]));
+      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+      int sum = 0;
+      for (int k = 0; k < G; ++k) {
+        const int q = static_cast<int>(std::nearbyint(v[k] * inv));
+        Q[i * G + k] = static_cast<int8_t>(q);
+        sum += q;
+      }
+      S[i] = d;
+      L[i] = d * static_cast<float>(sum);
+    }
+  });
+  return {xq, sc, lo};
+}
+
+}  // namespace
+
+bool vnni_supported() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+}
+
+// x [..., K] float32; code [N16 / 16, K / 32, 512] uint8; scale, low [N16 / 16, K / 32, 16] float32; bias [N] or
+// None -> y [..., N] (N <= N16 = N rounded up to 16)
+torch::Tensor linear(torch::Tensor x, torch::Tensor code, torch::Tensor scale, torch::Tensor low,
+                     c10::optional<torch::Tensor> bias, int64_t N, bool vnni) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && code.dtype() == torch::kUInt8, "float32 x and uint8 codes");
+  TORCH_CHECK(code.is_contiguous() && scale.is_contiguous() && low.is_contiguous(), "contiguous weights");
+  TORCH_CHECK(!vnni || vnni_supported(), "this CPU has no AVX-512 VNNI");
+  const int64_t blocks = code.size(0), groups = code.size(1), K = groups * G, N16 = blocks * LANES;
+  auto shape = x.sizes().vec();
+  TORCH_CHECK(shape.back() == K, "the input's width must be the layer's");
+  auto rows = x.reshape({-1, K}).contiguous();
+  const int64_t M = rows.size(0);
+  auto y = torch::empty({M, N16}, x.options());
+  auto qx = quantize_rows(rows, groups);
+  const int8_t* XQ = qx[0].data_ptr<int8_t>();
+  const float* XS = qx[1].data_ptr<float>();
+  const float* XL = qx[2].data_ptr<float>();
+  const uint8_t* C = code.data_ptr<uint8_t>();
+  const float* S = scale.data_ptr<float>();
+  const float* L = low.data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+  for (int64_t m0 = 0; m0 < M; m0 += ROWS_IN_CACHE) {
+    const int64_t m1 = std::min(M, m0 + ROWS_IN_CACHE);
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        for (int64_t r0 = m0; r0 < m1; r0 += RB) {
+          const int R = static_cast<int>(std::min<int64_t>(RB, m1 - r0));
+          const int8_t* xq[RB];
+          const float* xs[RB];
+          const float* xl[RB];
+          float* out[RB];
+          for (int r = 0; r < R; ++r) {
+            xq[r] = XQ + (r0 + r) * K;
+            xs[r] = XS + (r0 + r) * groups;
+            xl[r] = XL + (r0 + r) * groups;
+            out[r] = Y + (r0 + r) * N16 + b * LANES;
+          }
+          (vnni ? vnni_fn(R) : avx2_fn(R))(C + b * groups * BLOCK, S + b * groups * LANES, L + b * groups * LANES,
+                                          groups, xq, xs, xl, out);
+        }
+      }
+    });
+  }
+  if (bias.has_value()) y.narrow(1, 0, N).add_(*bias);  // after the sums, as a separate step for every row
+  shape.back() = N;
+  return N == N16 ? y.view(shape) : y.narrow(1, 0, N).reshape(shape);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear);
+  m.def("vnni_supported", &vnni_supported);
+}

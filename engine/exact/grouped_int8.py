@@ -1,0 +1,128 @@
+"""The target's Linears in 8-bit integers, computed the way llama.cpp computes its GGUF blocks, per row exact.
+
+Why: a decoding step of the 1.5B target on a 2-core CPU reads every weight once, and float16 (2 bytes a weight) is
+as far as torch's own kernels go. "int8" stores each Linear as codes 0..120 in groups of 32 along the input, with a
+float32 scale and low per group (1.25 bytes a weight), and quantizes each row of activations to int8 per group of
+32 as the pass runs (llama.cpp's Q8 activations). The dot product of a group is an integer, the rest float32
+(grouped_int8.cpp: AVX2, or AVX-512 VNNI where the CPU has it; compiled once on first use into the model cache). Every output element comes from its own input
+row by one fixed sequence of operations, so a row gets the same bits whatever the pass size: greedy speculative
+output equals the baseline's, with no padding (tests/test_precision.py checks 1 to 300 rows).
+
+What the target then computes is not the float32 model: the weights move by at most half a code step (a group's
+range / 240; a Q4_K group of the GGUF has 16 levels and lands on the codes exactly when it uses both its extremes),
+and each activation by at most half of its group's max / 127. README says how its greedy text compares with float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+GROUP = 32  # weights (and activations) sharing one scale: a row of K inputs has K / GROUP groups
+# codes 0..120: code * activation pairs must fit int16 in AVX2's maddubs (<= 127), and 120 steps hold the 15 steps of
+# a GGUF Q4_K group (and the 3, 5 or 8 of other grids) exactly
+LEVELS = 120
+SOURCE = Path(__file__).with_name("grouped_int8.cpp")
+
+
+def unavailable() -> str | None:
+    """Why this machine cannot run the kernel, or None."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return f"it needs a CPU with AVX2 (this one: {torch.backends.cpu.get_cpu_capability()})"
+    if not (shutil.which("c++") or shutil.which("g++")) or not shutil.which("ninja"):
+        return "it is compiled on first use and needs a C++ compiler and ninja (Debian: apt install g++ ninja-build)"
+    return None
+
+
+@functools.cache
+def kernel():
+    """The compiled extension (ninja rebuilds it only when grouped_int8.cpp or torch changes)."""
+    from torch.utils.cpp_extension import load
+
+    from engine.loading.weights import cache_dir
+
+    build = cache_dir() / "kernels" / f"grouped_int8-torch-{torch.__version__}"
+    build.mkdir(parents=True, exist_ok=True)
+    log.info("loading the int8 kernel (compiled into %s on first use: about a minute)", build)
+    return load("specconsole_grouped_int8", [str(SOURCE)], build_directory=str(build),
+                extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"],
+                extra_ldflags=["-fopenmp"])
+
+
+def quantize(weight: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] float -> code [N, K] uint8 (0..LEVELS), scale and low [N, K / GROUP] float32, so that
+    weight ~ scale * code + low per group; `chunk` output rows at a time, to keep the temporaries small."""
+    n, k = weight.shape
+    code = torch.empty(n, k, dtype=torch.uint8)
+    scale = torch.empty(n, k // GROUP)
+    low = torch.empty(n, k // GROUP)
+    for i in range(0, n, chunk):
+        groups = weight[i: i + chunk].float().reshape(-1, k // GROUP, GROUP)  # [rows, groups, GROUP]
+        lo, hi = groups.amin(-1), groups.amax(-1)
+        step = (hi - lo) / LEVELS
+        steps = ((groups - lo[..., None]) / step.clamp_min(torch.finfo(torch.float32).tiny)[..., None])
+        code[i: i + chunk] = steps.round_().clamp_(0, LEVELS).to(torch.uint8).reshape(-1, k)
+        scale[i: i + chunk], low[i: i + chunk] = step, lo
+    return code, scale, low
+
+
+LANES = 16  # outputs in a block of the kernel's layout (grouped_int8.cpp)
+
+
+def blocked(code: torch.Tensor, scale: torch.Tensor, low: torch.Tensor):
+    """quantize's tensors in the kernel's layout: outputs padded to a multiple of LANES (zero codes), then
+    code [N16 / 16, groups, 512] holding code[16 b + j, 32 g + 4 q + t] at [b, g, 64 q + 4 j + t], and scale, low
+    [N16 / 16, groups, 16]."""
+    n, k = code.shape
+    pad = -n % LANES
+    code, scale, low = (nn.functional.pad(t, (0, 0, 0, pad)) for t in (code, scale, low))
+    blocks, groups = (n + pad) // LANES, k // GROUP
+    code = code.reshape(blocks, LANES, groups, GROUP // 4, 4).permute(0, 2, 3, 1, 4)  # [b, g, q, j, t]
+    return (code.reshape(blocks, groups, GROUP * LANES).contiguous(),
+            scale.reshape(blocks, LANES, groups).transpose(1, 2).contiguous(),
+            low.reshape(blocks, LANES, groups).transpose(1, 2).contiguous())
+
+
+class GroupedInt8Linear(nn.Module):
+    """nn.Linear as weight codes 0..LEVELS in groups of GROUP; float32 in, float32 out (see the module docstring)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        if self.in_features % GROUP:
+            raise ValueError(f"int8 needs Linears whose input width is a multiple of {GROUP}, not {self.in_features}")
+        code, scale, low = blocked(*quantize(linear.weight.detach()))
+        self.register_buffer("code", code)
+        self.register_buffer("scale", scale)
+        self.register_buffer("low", low)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
+        # compiled now, while the model loads; AVX-512 VNNI where the CPU has it (tests set False to check AVX2's)
+        self.vnni = kernel().vnni_supported()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernel().linear(x, self.code, self.scale, self.low, self.bias, self.out_features, self.vnni)
+
+    def unblocked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """code [N, K], scale and low [N, K / GROUP]: quantize's layout (for tests and error figures)."""
+        blocks, groups, _ = self.code.shape
+        code = self.code.reshape(blocks, groups, GROUP // 4, LANES, 4).permute(0, 3, 1, 2, 4)  # [b, j, g, q, t]
+        code = code.reshape(blocks * LANES, groups * GROUP)[: self.out_features]
+        scale, low = (t.transpose(1, 2).reshape(blocks * LANES, groups)[: self.out_features]
+                      for t in (self.scale, self.low))
+        return code, scale, low
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight [N, K] this layer stands for, in float32."""
+        code, scale, low = self.unblocked()
+        groups = code.float().reshape(self.out_features, -1, GROUP)
+        return (groups * scale[..., None] + low[..., None]).reshape(self.out_features, self.in_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}"
