@@ -4,6 +4,7 @@
     python -m benchmarks.target_precision                     # layers: 6 blocks of Qwen2.5-1.5B's Linear shapes
     python -m benchmarks.target_precision --rows 1 5 9 17 64 --repeats 9
     python -m benchmarks.target_precision --model             # the real target, float32 and float16, greedy runs
+    python -m benchmarks.target_precision --model --against int8 --humaneval-prompts 4 --mtbench-prompts 4 --tokens 64
 
 Layers: random weights in the shapes of --blocks transformer blocks of the default target (1.1 GB of float32 for 6,
 more than the CPU's caches, as the 28 real ones are), one pass of m rows through all of them per variant. The variants
@@ -12,9 +13,9 @@ each variant's speed as a multiple of float32's. The int8 candidates (aten._weig
 scales) run only up to --int8-max-rows rows: with float32 activations (what per-row exactness needs) it is a scalar
 loop; with bfloat16 activations it is vectorized but rounds the activations, so it is not the float32 model.
 
---model: loads the default target twice (float32 and float16) and decodes --prompts prompts greedily with each, one
-pass of each in turn; prints decode tok/s (from the median step after the prompt) per run and whether the two outputs
-agree (the number of identical leading tokens).
+--model: loads the default target twice (float32 and --against: float16 or int8) and decodes --prompts prompts (or
+the seeded HumanEval / MT-Bench sample) greedily with each, one pass of each in turn; prints decode tok/s (from the
+median step after the prompt) per run and whether the two outputs agree (the number of identical leading tokens).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from engine.exact.optimize import linear_converter
+from engine.exact.precision import PRECISIONS
 from engine.setup import setup
 
 log = logging.getLogger("benchmarks.target_precision")
@@ -144,20 +146,21 @@ def in_turns(generators: list) -> list:
     return results
 
 
-def compare_models(prompts: list[str], tokens: int, out) -> None:
+def compare_models(prompts: list[str], tokens: int, out, other: str = "float16") -> None:
+    """float32 against `other` on the real target: decode speed, and where their greedy outputs part."""
     from engine.exact.decode import generate_baseline
+    from engine.exact.sampling import SamplingParams
     from engine.loading.models import load
     from engine.prompts import encode_prompt
-    from engine.exact.sampling import SamplingParams
     from engine.stops import StopConditions
 
-    models = {p: load(TARGET, "target", torch.device("cpu"), precision=p) for p in ("float32", "float16")}
+    models = {p: load(TARGET, "target", torch.device("cpu"), precision=p) for p in ("float32", other)}
     out.write(f"\n{TARGET}, greedy, {tokens} new tokens at most (EOS stops); the two targets take turns pass by pass; "
               f"{torch.get_num_threads()} threads. Weights: "
               + ", ".join(f"{p} {m.nbytes / 2**30:.2f} GiB" for p, m in models.items()) + "\n\n")
-    out.write("| prompt | float32 decode tok/s | float16 decode tok/s | ratio | prefill ms f32 / f16 | "
+    out.write(f"| prompt | float32 decode tok/s | {other} decode tok/s | ratio | prefill ms float32 / {other} | "
               "identical leading tokens |\n|" + " --- |" * 6 + "\n")
-    ratios = []
+    ratios, identical = [], 0
     for n, text in enumerate(prompts):
         order = list(models) if n % 2 == 0 else list(models)[::-1]  # who goes first alternates
         gens = [generate_baseline(m.model, m.tokenizer, encode_prompt(m.tokenizer, text), SamplingParams(),
@@ -165,14 +168,16 @@ def compare_models(prompts: list[str], tokens: int, out) -> None:
         runs = dict(zip(order, in_turns(gens)))
         # from the median decoding step: robust to the moments another process takes the cores
         speed = {p: 1000 / statistics.median(s.verify_ms for s in r.steps if s.step > 0) for p, r in runs.items()}
-        a, b = runs["float32"].output_ids, runs["float16"].output_ids
+        a, b = runs["float32"].output_ids, runs[other].output_ids
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        identical += a == b
         agree = f"all {same}" if a == b else f"{same} of {len(a)} (then {a[same:same + 1]} vs {b[same:same + 1]})"
-        ratios.append(speed["float16"] / speed["float32"])
-        out.write(f"| {n + 1} | {speed['float32']:.2f} | {speed['float16']:.2f} | {ratios[-1]:.2f}x | "
-                  f"{runs['float32'].prefill_ms:.0f} / {runs['float16'].prefill_ms:.0f} | {agree} |\n")
+        ratios.append(speed[other] / speed["float32"])
+        out.write(f"| {n + 1} | {speed['float32']:.2f} | {speed[other]:.2f} | {ratios[-1]:.2f}x | "
+                  f"{runs['float32'].prefill_ms:.0f} / {runs[other].prefill_ms:.0f} | {agree} |\n")
         out.flush()
-    out.write(f"\nMedian ratio float16 / float32 decode speed: {statistics.median(ratios):.2f}x\n")
+    out.write(f"\nMedian ratio {other} / float32 decode speed: {statistics.median(ratios):.2f}x; greedy output "
+              f"identical on {identical} of {len(prompts)} prompts\n")
 
 
 def main(argv=None) -> int:
@@ -183,12 +188,22 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 5, 9, 17, 64], help="rows per pass (m)")
     p.add_argument("--repeats", type=int, default=7, help="timed passes per variant and m")
     p.add_argument("--int8-max-rows", type=int, default=9, help="the int8 candidates run up to this many rows")
-    p.add_argument("--model", action="store_true", help="instead: the real target, float32 vs float16, greedy runs")
+    p.add_argument("--model", action="store_true", help="instead: the real target, float32 vs --against, greedy runs")
+    p.add_argument("--against", default="float16", choices=[q for q in PRECISIONS if q != "float32"],
+                   help="--model: the precision compared with float32")
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"--model: prompts (at most {len(PROMPTS)})")
     p.add_argument("--tokens", type=int, default=32, help="--model: new tokens per run")
+    p.add_argument("--humaneval-prompts", type=int, default=0, help="--model: HumanEval's seeded sample instead")
+    p.add_argument("--mtbench-prompts", type=int, default=0, help="--model: MT-Bench's seeded sample (with the above)")
+    p.add_argument("--sample-seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.model:
-        compare_models(PROMPTS[: args.prompts], args.tokens, sys.stdout)
+        prompts = PROMPTS[: args.prompts]
+        if args.humaneval_prompts or args.mtbench_prompts:
+            from benchmarks.speed import sample_plan
+
+            prompts = [item.prompt for _, item in sample_plan(args)]
+        compare_models(prompts, args.tokens, sys.stdout, args.against)
         return 0
     layers = build_layers(args.blocks)
     times = layer_ms(layers, args.rows, args.repeats, args.int8_max_rows)

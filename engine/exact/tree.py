@@ -77,19 +77,19 @@ class Tree:
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: PassLayout, scaling,
-           shared: bool) -> torch.Tensor:
+           gqa: bool) -> torch.Tensor:
     """The attention of a pass's alternative rows (engine.exact.optimize.rowwise_attention, after the chain's rows).
-    query [B, H, Q, D]; key, value [B, H, T, D] with the Q pass rows last -> [B, H, A, D], A = layout.alt_rows.
-    `shared`: key and value are the cache's own tensors, which must not change (they are written into copies)."""
+    query [B, H, Q, D]; key, value [B, H_kv, T, D] (the cache's own tensors) with the Q pass rows last -> [B, H, A, D],
+    A = layout.alt_rows. `gqa`: H_kv < H, grouped-query attention."""
     Q, T = query.shape[2], key.shape[2]
     seen = T - Q + layout.alt_at  # the cache and the pass's rows before the row the alternatives stand in for
-    if shared:
-        key, value = key.clone(), value.clone()
+    key, value = key.clone(), value.clone()  # written below: the cache must not change
     out = []
     for j in range(T - layout.alt_rows, T):
         # the alternative's key and value take the place of that row (whose query is done): no copy of the context,
         # and the call is the one a plain step makes at that position (engine.exact.optimize._attend with one query)
         key[:, :, seen], value[:, :, seen] = key[:, :, j], value[:, :, j]
         row = query[:, :, Q - T + j : Q - T + j + 1]
-        out.append(F.scaled_dot_product_attention(row, key[:, :, : seen + 1], value[:, :, : seen + 1], scale=scaling))
+        out.append(F.scaled_dot_product_attention(row, key[:, :, : seen + 1], value[:, :, : seen + 1], scale=scaling,
+                                                  enable_gqa=gqa))
     return torch.cat(out, dim=2)
