@@ -123,3 +123,30 @@ def test_load_makes_an_int8_target_and_counts_its_bytes(tmp_path, smol_tokenizer
     weights = sum(m.in_features * m.out_features for m in layers)
     # a byte a weight and two float32 a group instead of 4 bytes a weight; the rotary tables (non-persistent) too
     assert 0 <= small.nbytes - (full.nbytes - 4 * weights + weights + 8 * weights // GROUP) < 1024
+
+
+def test_the_stored_form_is_mapped_next_time_and_computes_the_same(tmp_path, monkeypatch):
+    """A GGUF target in int8 is stored once in its running form; the next load maps it (nothing is quantized) and
+    gives the same logits bit for bit; a damaged file is built again. SmolLM2's GGUF: its head is tied."""
+    from engine.exact.forward import forward, new_cache
+    from engine.loading import int8_store
+    from engine.loading.models import load
+
+    def logits(loaded):
+        return forward(loaded.model, list(range(100, 140)), new_cache(loaded.model), keep=5)
+
+    monkeypatch.setattr(int8_store, "cache_dir", lambda: tmp_path)
+    built = load("smollm2-135m-instruct", "target", CPU, precision="int8")
+    [stored] = (tmp_path / "int8").glob("*.pt")
+    quantize_for_real = grouped_int8.quantize
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a stored target was quantized again")
+
+    monkeypatch.setattr(grouped_int8, "quantize", refuse)
+    mapped = load("smollm2-135m-instruct", "target", CPU, precision="int8")
+    assert torch.equal(logits(mapped), logits(built)) and mapped.nbytes == built.nbytes
+    monkeypatch.setattr(grouped_int8, "quantize", quantize_for_real)
+    stored.write_bytes(b"half a file")
+    rebuilt = load("smollm2-135m-instruct", "target", CPU, precision="int8")
+    assert torch.equal(logits(rebuilt), logits(built)) and stored.stat().st_size > 10**6

@@ -1,12 +1,14 @@
-"""The target's Linears in 8-bit integers, computed the way llama.cpp computes its GGUF blocks, per row exact.
+"""The target's Linears as 8-bit weight codes times int8 activations (llama.cpp's kind of arithmetic), each row exact.
 
 Why: a decoding step of the 1.5B target on a 2-core CPU reads every weight once, and float16 (2 bytes a weight) is
 as far as torch's own kernels go. "int8" stores each Linear as codes 0..120 in groups of 32 along the input, with a
 float32 scale and low per group (1.25 bytes a weight), and quantizes each row of activations to int8 per group of
 32 as the pass runs (llama.cpp's Q8 activations). The dot product of a group is an integer, the rest float32
-(grouped_int8.cpp: AVX2, or AVX-512 VNNI where the CPU has it; compiled once on first use into the model cache). Every output element comes from its own input
-row by one fixed sequence of operations, so a row gets the same bits whatever the pass size: greedy speculative
-output equals the baseline's, with no padding (tests/test_precision.py checks 1 to 300 rows).
+(grouped_int8.cpp: AVX2, or AVX-512 VNNI where the CPU has it; compiled once on first use into the model cache).
+Every output element comes from its own input row by one fixed sequence of operations, so a row gets the same bits
+whatever the pass size: greedy speculative output equals the baseline's, with no padding
+(tests/test_int8_target.py checks 1 to 300 rows). engine.loading.int8_store keeps the result on disk for the next
+start.
 
 What the target then computes is not the float32 model: the weights move by at most half a code step (a group's
 range / 240; a Q4_K group of the GGUF has 16 levels and lands on the codes exactly when it uses both its extremes),
@@ -105,6 +107,22 @@ class GroupedInt8Linear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
         # compiled now, while the model loads; AVX-512 VNNI where the CPU has it (tests set False to check AVX2's)
         self.vnni = kernel().vnni_supported()
+
+    @classmethod
+    def shell(cls, in_features: int, out_features: int, bias: bool) -> GroupedInt8Linear:
+        """A layer whose tensors are meta tensors of the right shapes, to be filled by load_state_dict(...,
+        assign=True) (engine.loading.int8_store: the stored form, mapped from disk)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = in_features, out_features
+        blocks, groups = -(-out_features // LANES), in_features // GROUP
+        with torch.device("meta"):
+            layer.register_buffer("code", torch.empty(blocks, groups, GROUP * LANES, dtype=torch.uint8))
+            layer.register_buffer("scale", torch.empty(blocks, groups, LANES))
+            layer.register_buffer("low", torch.empty(blocks, groups, LANES))
+            layer.register_buffer("bias", torch.empty(out_features) if bias else None)
+        layer.vnni = kernel().vnni_supported()
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernel().linear(x, self.code, self.scale, self.low, self.bias, self.out_features, self.vnni)

@@ -122,6 +122,7 @@ def _load_gguf(spec: str, role: str, device: torch.device, int8: bool, min_rows:
     from transformers import AutoTokenizer
 
     from engine.loading.gguf_load import load_gguf_model
+    from engine.loading.int8_store import load_or_build
 
     try:
         gguf, meta = gguf_model(spec, on_progress=on_progress)
@@ -130,8 +131,11 @@ def _load_gguf(spec: str, role: str, device: torch.device, int8: bool, min_rows:
     log.info("loading %s %s from %s", role, spec, gguf)
     try:
         tokenizer = AutoTokenizer.from_pretrained(meta)
-        model = load_gguf_model(gguf, meta, linear_converter(role, device, min_rows, int8, precision),
-                                 on_progress=on_progress)
+        convert = linear_converter(role, device, min_rows, int8, precision)
+        if role == "target" and precision == "int8":  # stored in its running form once, then mapped
+            model = load_or_build(gguf, meta, lambda: load_gguf_model(gguf, meta, convert, on_progress=on_progress))
+        else:
+            model = load_gguf_model(gguf, meta, convert, on_progress=on_progress)
     except Exception as e:  # noqa: BLE001 - a damaged cache: say where and how to fix it
         raise ModelError(f"could not load {spec!r} from {gguf}: {e}. If this is a cached model, delete {meta}.") from e
     model = finish(model, role)

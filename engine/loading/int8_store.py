@@ -1,0 +1,88 @@
+"""The int8 target kept on disk in the form it runs in, and mapped at start instead of computed.
+
+Loading a GGUF as an int8 target dequantizes and quantizes every Linear (engine.exact.grouped_int8): about 10 s of
+a start for the 1.5B target. The first such load saves the model's tensors (the Linears' codes, scales and lows,
+the norms, the embedding's GGUF rows) to <cache>/int8/<gguf name>-<size>-v<FORMAT>.pt; later loads build the model
+empty and map that file (torch.load(mmap=True)): nothing is computed, and the pages are read when passes first need
+them. A file that does not load is rebuilt.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.exact.grouped_int8 import GroupedInt8Linear
+from engine.loading.gguf_load import GGUFEmbedding, _parent, _rebuild_meta_buffers
+from engine.loading.weights import cache_dir
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # bump when grouped_int8's layout or quantization changes: older files are then not read
+
+
+def store_path(gguf: Path, root: Path | None = None) -> Path:
+    return (root or cache_dir()) / "int8" / f"{gguf.stem}-{gguf.stat().st_size}-v{FORMAT}.pt"
+
+
+def load_or_build(gguf: Path, meta_dir: Path, build: Callable[[], nn.Module], root: Path | None = None) -> nn.Module:
+    """The int8 target of `gguf`: mapped from its stored form, or built by `build` (the GGUF loader with
+    GroupedInt8Linear as the converter) and stored for the next start."""
+    path = store_path(gguf, root)
+    if path.exists():
+        try:
+            return load_stored(path, meta_dir)
+        except Exception as e:  # noqa: BLE001 - a damaged or foreign file: build it again
+            log.warning("the stored int8 form %s does not load (%s): building it again", path, e)
+            path.unlink(missing_ok=True)
+    model = build()
+    save(model, path)
+    return model
+
+
+def save(model: nn.Module, path: Path) -> None:
+    embeddings = {name: {"qtype": int(m.qtype), "dim": m.embedding_dim}
+                  for name, m in model.named_modules() if isinstance(m, GGUFEmbedding)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # a stopped save leaves no file that looks whole
+    log.info("storing the int8 target's form in %s (read at the next start instead of computed)", path)
+    torch.save({"state": model.state_dict(), "embeddings": embeddings}, partial)
+    os.replace(partial, path)
+
+
+def load_stored(path: Path, meta_dir: Path) -> nn.Module:
+    from gguf import GGMLQuantizationType
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    stored = torch.load(path, mmap=True, weights_only=True)
+    state = stored["state"]
+    config = AutoConfig.from_pretrained(meta_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig.from_pretrained(meta_dir)
+    for name, module in list(model.named_modules()):
+        parent, attr = _parent(model, name) if name else (None, "")
+        if isinstance(module, nn.Linear):
+            setattr(parent, attr, GroupedInt8Linear.shell(module.in_features, module.out_features,
+                                                          module.bias is not None))
+        elif name in stored["embeddings"]:
+            info = stored["embeddings"][name]
+            raw = state[f"{name}.raw"]
+            embedding = GGUFEmbedding.__new__(GGUFEmbedding)  # its constructor copies the rows; these stay mapped
+            nn.Module.__init__(embedding)
+            embedding.qtype, embedding.embedding_dim = GGMLQuantizationType(info["qtype"]), info["dim"]
+            embedding.num_embeddings = raw.shape[0]
+            embedding.register_buffer("raw", raw)
+            setattr(parent, attr, embedding)
+    model.load_state_dict(state, strict=True, assign=True)
+    _rebuild_meta_buffers(model)
+    missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if missing:
+        raise ValueError(f"{path.name} lacks {missing[:5]}")
+    log.info("int8 target mapped from %s", path)
+    return model.eval()
