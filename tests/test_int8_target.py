@@ -1,6 +1,8 @@
 """The int8 target (engine.exact.grouped_int8): each row of a pass is what a one-row pass gives, so greedy speculative
 output still equals the baseline's; the kernel computes what its docstring says; the option reaches the model."""
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -150,3 +152,24 @@ def test_the_stored_form_is_mapped_next_time_and_computes_the_same(tmp_path, mon
     stored.write_bytes(b"half a file")
     rebuilt = load("smollm2-135m-instruct", "target", CPU, precision="int8")
     assert torch.equal(logits(rebuilt), logits(built)) and stored.stat().st_size > 10**6
+
+
+def test_a_cache_that_cannot_store_the_form_still_loads(tmp_path, monkeypatch):
+    """A read-only (or full) cache: the int8 target loads all the same, and no partial file is left."""
+    from engine.loading import int8_store
+    from engine.loading.models import load
+
+    def full_disk(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    (tmp_path / "int8").mkdir()
+    (tmp_path / "int8").chmod(0o500)
+    monkeypatch.setattr(int8_store, "cache_dir", lambda: tmp_path)
+    try:
+        if os.access(tmp_path / "int8", os.W_OK):  # root ignores the mode: the disk is full instead
+            monkeypatch.setattr(int8_store.torch, "save", full_disk)
+        loaded = load("smollm2-135m-instruct", "target", CPU, precision="int8")
+        assert [m for m in loaded.model.modules() if isinstance(m, GroupedInt8Linear)]
+        assert not list((tmp_path / "int8").iterdir())
+    finally:
+        (tmp_path / "int8").chmod(0o700)

@@ -12,7 +12,7 @@ attention over several queries. We replace them with:
   target (the baseline, ours and HF assisted generation alike).
   With precision "float16" the Linears are engine.exact.precision's `HalfLinear` instead: half the bytes, each row
   exact for any number of rows, no padding; with "int8", engine.exact.grouped_int8's `GroupedInt8Linear` (a
-  third of float32's bytes, llama.cpp's arithmetic, each row exact, no padding).
+  third of float32's bytes, llama.cpp's kind of arithmetic, each row exact, no padding).
 - `rowwise_attention`: each query of a short pass attends with its own single-query SDPA call, exactly the
   call the baseline makes at that position. Long passes (the prompt) use one fused causal call; both engines
   prefill the same prompt with the same call, so their caches agree.

@@ -9,7 +9,7 @@ speculative output equals the baseline's, and no padding is needed. The weights 
 float16 (relative error at most 2^-11), so the text may part from a float32 target's after some tokens.
 
 "int8" (engine.exact.grouped_int8) goes further with a kernel of our own: weight codes 0..120 in groups of 32 and
-activations quantized per row and group, as llama.cpp computes. torch's own weight-only int8
+activations quantized per row and group, like llama.cpp. torch's own weight-only int8
 (aten._weight_int8pack_mm) does not pay: vectorized on x86 only for bfloat16 and float16 activations, a scalar loop
 for float32 ones (`python -m benchmarks.target_precision`), and not per-row exact with per-batch activation scales.
 """

@@ -41,7 +41,10 @@ def load_or_build(gguf: Path, meta_dir: Path, build: Callable[[], nn.Module], ro
             log.warning("the stored int8 form %s does not load (%s): building it again", path, e)
             path.unlink(missing_ok=True)
     model = build()
-    save(model, path)
+    try:
+        save(model, path)
+    except OSError as e:  # a full or read-only cache: this start still runs, the next builds again
+        log.warning("could not store the int8 target in %s (%s): the next start quantizes it again", path, e)
     return model
 
 
@@ -51,8 +54,11 @@ def save(model: nn.Module, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # a stopped save leaves no file that looks whole
     log.info("storing the int8 target's form in %s (read at the next start instead of computed)", path)
-    torch.save({"state": model.state_dict(), "embeddings": embeddings}, partial)
-    os.replace(partial, path)
+    try:
+        torch.save({"state": model.state_dict(), "embeddings": embeddings}, partial)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def load_stored(path: Path, meta_dir: Path) -> nn.Module:
