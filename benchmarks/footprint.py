@@ -126,18 +126,20 @@ def console_start(preset: str, cache: Path, code: Path, precision: str) -> float
     return ready
 
 
+STORED_INT8 = "int8 (the int8 target's stored form)"
+
+
 def preset_files(preset: str, cache: Path) -> dict[str, int]:
     """Bytes on disk per kind of file the preset uses (hard links counted once per path, as du would)."""
     from engine.presets import PRESETS
     from engine.loading.weights import SOURCES
 
     p = PRESETS[preset]
-    sizes = {"gguf": 0, "gguf-meta": 0, "int8 (the int8 target's stored form)": 0, "wheels": 0,
-             "legacy float32 (models/)": 0}
+    sizes = {"gguf": 0, "gguf-meta": 0, STORED_INT8: 0, "wheels": 0, "legacy float32 (models/)": 0}
     for name in filter(None, (p.target, p.draft)):
         source = SOURCES[name]
         files = {"gguf": [cache / "gguf" / source.filename], "gguf-meta": (cache / "gguf-meta" / name).glob("*"),
-                 "int8 (the int8 target's stored form)": (cache / "int8").glob(f"{Path(source.filename).stem}-*.pt"),
+                 STORED_INT8: (cache / "int8").glob(f"{Path(source.filename).stem}-*.pt"),
                  "legacy float32 (models/)": (cache / "models" / name).glob("*"),
                  "wheels": [w for c in source.chunks for w in (cache / "wheels").glob(f"{c.dist.replace('-', '_')}-*.whl")]}
         for kind, paths in files.items():
@@ -204,7 +206,7 @@ def main() -> None:
                  r["weights_gib"], r["greedy_identical"])
     for kind, n in files.items():
         log.info("cache, %s: %.2f GB", kind, n / 1e9)
-    stored = files["int8 (the int8 target's stored form)"] if args.precision == "int8" else 0
+    stored = files[STORED_INT8] if args.precision == "int8" else 0
     used = files["gguf"] + files["gguf-meta"] + stored
     log.info("cache the preset needs (gguf + gguf-meta%s): %.2f GB; all of the above: %.2f GB",
              " + int8" if args.precision == "int8" else "", used / 1e9, sum(files.values()) / 1e9)

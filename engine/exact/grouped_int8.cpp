@@ -101,24 +101,9 @@ constexpr int64_t ROWS_IN_CACHE = 64;  // rows whose activations stay in cache w
 
 using BlockFn = void (*)(const uint8_t*, const float*, const float*, int64_t, const int8_t* const*,
                          const float* const*, const float* const*, float* const*);
-
-BlockFn avx2_fn(int r) {
-  switch (r) {
-    case 4: return block_avx2<4>;
-    case 3: return block_avx2<3>;
-    case 2: return block_avx2<2>;
-    default: return block_avx2<1>;
-  }
-}
-
-BlockFn vnni_fn(int r) {
-  switch (r) {
-    case 4: return block_vnni<4>;
-    case 3: return block_vnni<3>;
-    case 2: return block_vnni<2>;
-    default: return block_vnni<1>;
-  }
-}
+// the kernel for R rows at [R - 1]
+constexpr BlockFn AVX2_BLOCK[RB] = {block_avx2<1>, block_avx2<2>, block_avx2<3>, block_avx2<4>};
+constexpr BlockFn VNNI_BLOCK[RB] = {block_vnni<1>, block_vnni<2>, block_vnni<3>, block_vnni<4>};
 
 // x rows [M, K] float32 -> xq [M, K] int8, xscale [M, groups], xlow [M, groups] = xscale * the group's sum of xq
 std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, int64_t groups) {
@@ -193,8 +178,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor code, torch::Tensor scale, t
             xl[r] = XL + (r0 + r) * groups;
             out[r] = Y + (r0 + r) * N16 + b * LANES;
           }
-          (vnni ? vnni_fn(R) : avx2_fn(R))(C + b * groups * BLOCK, S + b * groups * LANES, L + b * groups * LANES,
-                                          groups, xq, xs, xl, out);
+          (vnni ? VNNI_BLOCK : AVX2_BLOCK)[R - 1](C + b * groups * BLOCK, S + b * groups * LANES,
+                                                  L + b * groups * LANES, groups, xq, xs, xl, out);
         }
       }
     });

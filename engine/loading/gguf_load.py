@@ -33,11 +33,11 @@ Convert = Callable[[nn.Linear], nn.Module]  # a complete float32 Linear -> what 
 class GGUFEmbedding(nn.Module):
     """nn.Embedding over GGUF-quantized rows: ~1/6 of the float32 matrix for Q4_K, the same values when looked up."""
 
-    def __init__(self, raw: np.ndarray, qtype, dim: int):
+    def __init__(self, raw: torch.Tensor, qtype, dim: int):
         super().__init__()
         self.qtype, self.embedding_dim = qtype, dim
         self.num_embeddings = raw.shape[0]
-        self.register_buffer("raw", torch.from_numpy(np.array(raw, copy=True)))  # [V, bytes per row] uint8, a copy: the file can be unmapped
+        self.register_buffer("raw", raw)  # [V, bytes per row] uint8
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.raw[ids.reshape(-1).cpu()].numpy()
@@ -97,13 +97,10 @@ def load_gguf_model(
 ) -> nn.Module:
     """A transformers causal LM (config from `meta_dir`) with its weights from `gguf`, Linears passed to `convert`."""
     from gguf import GGMLQuantizationType
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-    config = AutoConfig.from_pretrained(meta_dir)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config = GenerationConfig.from_pretrained(meta_dir)
+    model = empty_model(meta_dir)
+    config = model.config
     index = tensor_index(gguf, meta_dir)
     processor = TENSOR_PROCESSORS.get(index["arch"], TensorProcessor)(config=config.to_dict())  # reads head counts
     names = _name_map(model, index["arch"], config.num_hidden_layers)
@@ -158,7 +155,8 @@ def load_gguf_model(
         if kept_quantized(entry):
             parent, pattr = _parent(model, module_name)
             qtype = GGMLQuantizationType(entry["type"])
-            setattr(parent, pattr, GGUFEmbedding(data(entry), qtype, int(entry["dims"][0])))
+            rows = torch.from_numpy(np.array(data(entry), copy=True))  # a copy: the file can be unmapped
+            setattr(parent, pattr, GGUFEmbedding(rows, qtype, int(entry["dims"][0])))
             if tied and head_name in linears:  # the tied head is the one float32 copy of the matrix
                 finish_linear(head_name, dequantized(entry))
         elif module_name in linears:
@@ -175,10 +173,25 @@ def load_gguf_model(
     pool.shutdown()
     del file
     _rebuild_meta_buffers(model)
-    missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    missing = meta_tensors(model)
     if missing or linears:
         raise ValueError(f"{gguf.name} lacks tensors for {sorted(set(missing) | set(linears))[:5]}")
     return model.eval()
+
+
+def empty_model(meta_dir: Path) -> nn.Module:
+    """The causal LM of `meta_dir`'s config and generation config, its tensors on the meta device (no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(meta_dir), dtype=torch.float32)
+    model.generation_config = GenerationConfig.from_pretrained(meta_dir)
+    return model
+
+
+def meta_tensors(model: nn.Module) -> list[str]:
+    """Names of the parameters and buffers that no weight has filled yet."""
+    return [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
 
 
 def _rebuild_meta_buffers(model: nn.Module) -> None:

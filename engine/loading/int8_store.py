@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from engine.exact.grouped_int8 import GroupedInt8Linear
-from engine.loading.gguf_load import GGUFEmbedding, _parent, _rebuild_meta_buffers
+from engine.loading.gguf_load import GGUFEmbedding, _parent, _rebuild_meta_buffers, empty_model, meta_tensors
 from engine.loading.weights import cache_dir
 
 log = logging.getLogger(__name__)
@@ -26,14 +26,14 @@ log = logging.getLogger(__name__)
 FORMAT = 1  # bump when grouped_int8's layout or quantization changes: older files are then not read
 
 
-def store_path(gguf: Path, root: Path | None = None) -> Path:
-    return (root or cache_dir()) / "int8" / f"{gguf.stem}-{gguf.stat().st_size}-v{FORMAT}.pt"
+def store_path(gguf: Path) -> Path:
+    return cache_dir() / "int8" / f"{gguf.stem}-{gguf.stat().st_size}-v{FORMAT}.pt"
 
 
-def load_or_build(gguf: Path, meta_dir: Path, build: Callable[[], nn.Module], root: Path | None = None) -> nn.Module:
+def load_or_build(gguf: Path, meta_dir: Path, build: Callable[[], nn.Module]) -> nn.Module:
     """The int8 target of `gguf`: mapped from its stored form, or built by `build` (the GGUF loader with
     GroupedInt8Linear as the converter) and stored for the next start."""
-    path = store_path(gguf, root)
+    path = store_path(gguf)
     if path.exists():
         try:
             return load_stored(path, meta_dir)
@@ -63,31 +63,22 @@ def save(model: nn.Module, path: Path) -> None:
 
 def load_stored(path: Path, meta_dir: Path) -> nn.Module:
     from gguf import GGMLQuantizationType
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     stored = torch.load(path, mmap=True, weights_only=True)
     state = stored["state"]
-    config = AutoConfig.from_pretrained(meta_dir)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config = GenerationConfig.from_pretrained(meta_dir)
+    model = empty_model(meta_dir)
     for name, module in list(model.named_modules()):
         parent, attr = _parent(model, name) if name else (None, "")
         if isinstance(module, nn.Linear):
             setattr(parent, attr, GroupedInt8Linear.shell(module.in_features, module.out_features,
                                                           module.bias is not None))
         elif name in stored["embeddings"]:
-            info = stored["embeddings"][name]
-            raw = state[f"{name}.raw"]
-            embedding = GGUFEmbedding.__new__(GGUFEmbedding)  # its constructor copies the rows; these stay mapped
-            nn.Module.__init__(embedding)
-            embedding.qtype, embedding.embedding_dim = GGMLQuantizationType(info["qtype"]), info["dim"]
-            embedding.num_embeddings = raw.shape[0]
-            embedding.register_buffer("raw", raw)
+            info = stored["embeddings"][name]  # its rows stay mapped from the file
+            embedding = GGUFEmbedding(state[f"{name}.raw"], GGMLQuantizationType(info["qtype"]), info["dim"])
             setattr(parent, attr, embedding)
     model.load_state_dict(state, strict=True, assign=True)
     _rebuild_meta_buffers(model)
-    missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    missing = meta_tensors(model)
     if missing:
         raise ValueError(f"{path.name} lacks {missing[:5]}")
     log.info("int8 target mapped from %s", path)
