@@ -150,7 +150,14 @@ def _latest_run(db: Path) -> dict:
     conn.close()
     machine = json.loads(row["comparison"] or "{}")
     return {"baseline_tps": row["baseline_tps"], "speculative_tps": row["speculative_tps"], "status": row["status"],
-            "noisy": row["noisy"], "page_cores": machine.get("page_cores"), "other_cores": machine.get("other_cores")}
+            "noisy": row["noisy"], **_disturbance(machine)}
+
+
+def _disturbance(machine: dict) -> dict:
+    """A run's figures of what disturbed it (specconsole.machine): the console's own work and other processes'."""
+    passes = machine.get("others_in_passes") or {}
+    return {"page_cores": machine.get("page_cores"), "other_cores": machine.get("other_cores"),
+            "others_baseline": passes.get("baseline"), "others_speculative": passes.get("speculative")}
 
 
 def engines(args) -> list[str]:
@@ -191,7 +198,7 @@ def api_session(args):
             r = comp.results
             return {"baseline_tps": r["baseline"].metrics["tokens_per_s"],
                     "speculative_tps": r["speculative"].metrics["tokens_per_s"], "noisy": comp.machine.get("noisy"),
-                    "page_cores": comp.machine.get("page_cores"), "other_cores": comp.machine.get("other_cores")}
+                    **_disturbance(comp.machine)}
 
         yield run
     finally:
@@ -244,8 +251,11 @@ def main(argv=None) -> int:
     out.write(f"| browser CPU during a run (cores) | {med(page, 'browser_cores'):.3f} | – | – |\n")
     out.write(f"| console process CPU during a run (cores) | {med(page, 'console_cores'):.2f} | – | – |\n")
     for key, name in (("page_cores", "console's own work during timed passes (cores)"),
-                      ("other_cores", "other processes during a run (cores)")):
-        out.write(f"| {name} | {med(page, key):.3f} | {med(api, key):.3f} | – |\n")
+                      ("other_cores", "other processes during a run (cores)"),
+                      ("others_baseline", "other processes during the baseline's timed passes (cores)"),
+                      ("others_speculative", "other processes during the speculative engine's timed passes (cores)")):
+        if all(r[key] is not None for r in page + api):
+            out.write(f"| {name} | {med(page, key):.3f} | {med(api, key):.3f} | – |\n")
     for rows in (page, api):
         for r in rows:
             r["speedup"] = r["speculative_tps"] / r["baseline_tps"]
@@ -256,6 +266,9 @@ def main(argv=None) -> int:
     out.write(f"| runs marked noisy | {sum(bool(r['noisy']) for r in page)}/{len(page)} | "
               f"{sum(bool(r['noisy']) for r in api)}/{len(api)} | |\n")
     out.write("browser cores per run: " + ", ".join(f"{r['browser_cores']:.3f}" for r in page) + "\n")
+    if all(r["others_baseline"] is not None for r in page):
+        out.write("others during the baseline's / speculative engine's passes per page run: " + ", ".join(
+            f"{r['others_baseline']:.2f} / {r['others_speculative']:.2f}" for r in page) + "\n")
     return 0
 
 

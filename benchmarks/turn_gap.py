@@ -52,6 +52,9 @@ class Gap:
             self.work @ self.work
         return True
 
+    def is_set(self) -> bool:
+        return False  # a page always drawing: every turn waits (then for a quiet machine, as after the page)
+
     def set(self) -> None:
         pass
 

@@ -8,6 +8,7 @@ from html import escape
 from pathlib import Path
 
 import gradio as gr
+from starlette.middleware import Middleware
 
 from engine.limits import MAX_UPLOAD_BYTES
 from engine.setup import setup
@@ -15,6 +16,7 @@ from specconsole import tab_history, tab_run, tab_workbench
 from specconsole.frames import quiet_frames
 from specconsole.history import History, HistoryError
 from specconsole.host import ModelHost
+from specconsole.page_drawn import DrawnBeacon
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ def launch(host: ModelHost, history: History, server_name: str, port: int, auth=
     app.launch(server_name=server_name, server_port=port, auth=auth, css=CSS, js=PRESENTER_JS, show_error=True,
                prevent_thread_lock=prevent_thread_lock, footer_links=[], share=bool(share),
                max_file_size=MAX_UPLOAD_BYTES,  # a suite file over it is refused as it arrives
-               app_kwargs={"middleware": [quiet_frames()]})
+               app_kwargs={"middleware": [quiet_frames(), Middleware(DrawnBeacon)]})
     return app
 
 

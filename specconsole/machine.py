@@ -15,6 +15,9 @@ import psutil
 # CPU use (in cores) by others during a run above which its timings are marked noisy: on a 2-core machine whose
 # engines use both cores, 0.1 core taken by others slows a pass by about 5 %
 NOISY_CORES = 0.1
+# before a timed pass that follows the page's drawing: how long other processes must take no CPU, and the longest wait
+QUIET_WINDOW_S = 0.02
+QUIET_LIMIT_S = 0.2
 
 
 def _thread_cpu_s(native_id: int) -> float:
@@ -23,15 +26,25 @@ def _thread_cpu_s(native_id: int) -> float:
 
 
 class ConsoleWork:
-    """CPU time that the console's own Python threads other than the engines' spend while an engine's pass is timed:
-    the page's rendering, Gradio's serialisation, history saves. Such work runs on the cores the pass is measured on,
-    so it slows the engine whose pass it overlaps. Native threads (torch's and the tokenizer's pools) count as the
-    engines': only the engine threads start work in them."""
+    """What disturbs the engines while their passes are timed (fair mode: each turn's start() and stop()):
+    - the CPU time of the console's own Python threads other than the engines': the page's rendering, Gradio's
+      serialisation, history saves. Native threads (torch's and the tokenizer's pools) count as the engines': only
+      the engine threads start work in them;
+    - per engine, the CPU time of other processes (a browser showing the page) during that engine's passes: a
+      disturbance that lands on one engine's passes more than on the other's biases the speedup, not only the
+      speeds. Linux counts CPU time in ticks (10 ms), so one pass reads coarsely; summed over a run's passes the
+      figure is unbiased."""
 
-    def __init__(self):
+    def __init__(self, servers: list[psutil.Process] | None = None):
         self.engine_ids: set[int] = set()
         self.timed_s = 0.0  # what the console's other threads used during timed passes
+        self.servers = servers or []  # the processes this console started: their work is the engines'
+        self.passes_s: dict[str, float] = {}  # engine -> wall seconds of its timed passes
+        self.others_s: dict[str, float] = {}  # engine -> other processes' CPU seconds during them
+        self.quiet_misses = 0  # waits for a quiet machine that ran out, in a row
+        self.quiet_given_up = False
         self._mark: float | None = None
+        self._outside: tuple[str, float, float] | None = None  # (engine, wall, CPU outside the console) at start
 
     def add_engine_thread(self) -> None:
         """Called by each thread that runs an engine."""
@@ -47,9 +60,22 @@ class ConsoleWork:
                     pass
         return total
 
-    def start(self) -> None:
-        """A timed pass starts."""
+    def _outside_console_s(self) -> float:
+        """CPU seconds the machine spent busy outside this console and its servers."""
+        servers = 0.0
+        for p in self.servers:
+            try:
+                t = p.cpu_times()
+                servers += t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+        return _busy_s() - _own_s() - servers
+
+    def start(self, engine: str | None = None) -> None:
+        """A timed pass starts (`engine`: whose, when only one engine runs at a time)."""
         self._mark = self._others_s()
+        if engine is not None:
+            self._outside = (engine, time.perf_counter(), self._outside_console_s())
 
     def stop(self) -> None:
         """The timed pass ended."""
@@ -57,6 +83,35 @@ class ConsoleWork:
             # a thread that ended during the pass takes its time along: never count a negative share
             self.timed_s += max(0.0, self._others_s() - self._mark)
             self._mark = None
+        if self._outside is not None:
+            engine, wall, outside = self._outside
+            self.passes_s[engine] = self.passes_s.get(engine, 0.0) + time.perf_counter() - wall
+            # a server that ended during the pass leaves a negative step: count none
+            self.others_s[engine] = self.others_s.get(engine, 0.0) + max(0.0, self._outside_console_s() - outside)
+            self._outside = None
+
+    def wait_until_quiet(self) -> None:
+        """Wait until other processes have taken no CPU for QUIET_WINDOW_S, at most QUIET_LIMIT_S. Called when the
+        page has drawn an update: its browser still composites the frame in other threads and processes, and a
+        pass timed meanwhile would carry that work. On a machine that is never quiet (a compile, a second run) the
+        wait gives up after it ran out twice in a row, for the rest of the run."""
+        if self.quiet_given_up:
+            return
+        start = time.perf_counter()
+        last = self._outside_console_s()
+        while time.perf_counter() - start < QUIET_LIMIT_S:
+            time.sleep(QUIET_WINDOW_S)
+            now = self._outside_console_s()
+            if now <= last:  # Linux counts in ticks of 10 ms: no tick went to another process in the window
+                self.quiet_misses = 0
+                return
+            last = now
+        self.quiet_misses += 1
+        self.quiet_given_up = self.quiet_misses >= 2
+
+    def others_in_passes(self) -> dict[str, float]:
+        """Per engine: other processes' CPU use (cores) during its timed passes."""
+        return {e: round(self.others_s[e] / max(s, 1e-6), 3) for e, s in self.passes_s.items()}
 
 
 def _busy_s() -> float:
@@ -70,11 +125,16 @@ def _own_s() -> float:
     return t.user + t.system
 
 
-def _servers_s() -> dict[int, float]:
-    """CPU seconds of each process this console started (the managed vLLM and llama.cpp servers: the engines of
-    those backends, whose work is the run's own, not a disturbance)."""
+def _servers() -> list[psutil.Process]:
+    """The processes this console started (the managed vLLM and llama.cpp servers: the engines of those backends,
+    whose work is the run's own, not a disturbance)."""
+    return psutil.Process().children(recursive=True)
+
+
+def _servers_s(servers: list[psutil.Process]) -> dict[int, float]:
+    """CPU seconds of each of `servers`."""
     out = {}
-    for p in psutil.Process().children(recursive=True):
+    for p in servers:
         try:
             t = p.cpu_times()
             out[p.pid] = t.user + t.system
@@ -88,26 +148,32 @@ class MachineLoad:
 
     def __init__(self):
         self.start_wall, self.start_busy, self.start_own = time.perf_counter(), _busy_s(), _own_s()
-        self.start_servers = _servers_s()
-        self.console = ConsoleWork()
+        self.servers = _servers()
+        self.start_servers = _servers_s(self.servers)
+        self.console = ConsoleWork(self.servers)
 
     def result(self, timed_s: float | None = None) -> dict:
         """`timed_s`: the wall seconds during which passes were timed (fair mode: the sum of the turns); the
         console's own work during them is averaged over that time. Default: the whole run (race mode)."""
         wall = max(time.perf_counter() - self.start_wall, 1e-6)
         # the console's processes that ran through the whole run (a process started or ended meanwhile is another's)
-        servers = sum(t - self.start_servers[pid] for pid, t in _servers_s().items() if pid in self.start_servers)
+        servers = sum(t - self.start_servers[pid] for pid, t in _servers_s(self.servers).items()
+                      if pid in self.start_servers)
         own = (_own_s() - self.start_own + servers) / wall
         other = max(0.0, (_busy_s() - self.start_busy) / wall - own)
         timed_s = timed_s or wall
         page = self.console.timed_s / max(timed_s, 1e-6)
         load, cores = os.getloadavg()[0], os.cpu_count() or 1
+        in_passes = self.console.others_in_passes()
         reasons = []
         if other + page > NOISY_CORES:
             reasons.append(f"other processes used {other:.2f} and the console's page {page:.2f} of {cores} cores")
+        if in_passes and max(in_passes.values()) + page > NOISY_CORES and other + page <= NOISY_CORES:
+            reasons.append("other processes used " + ", ".join(f"{v:.2f}" for v in in_passes.values())
+                           + f" of {cores} cores during the passes of " + ", ".join(in_passes))
         if load > 1.5 * cores:
             reasons.append(f"load average {load:.1f} on {cores} cores")
         return {"noisy": bool(reasons), "noise": "; ".join(reasons) or None, "other_cores": round(other, 3),
                 "console_cores": round(own, 3), "page_cores": round(page, 3),
                 "page_cpu_s": round(self.console.timed_s, 4), "timed_s": round(timed_s, 4),
-                "load_average": round(load, 2)}
+                "load_average": round(load, 2), "others_in_passes": in_passes}

@@ -2,10 +2,11 @@
 
 The browser runs on the engines' cores: whatever it draws while a pass is timed slows that pass. In fair mode the
 Run tab marks each update's first changed live panel with `ack` (a number); assets/live_panel.js applies the
-message and, after the next paint, calls the panel's server function `page_drawn("<panel run>:<ack>")`. The Run tab
-waits for that word (up to ACK_WAIT_S) before it lets the next turn start. A page that does not answer in time (a
-hidden tab, which does not paint, or an API client, which has no page) is not waited for again in that run: a short
-settle (SETTLE_S) stands in for the word.
+message and, after the next paint, sends the word "<panel run>:<ack>" as a beacon to POST /page_drawn
+(`DrawnBeacon`, a middleware: a beacon's answer leaves the browser nothing to do, where a Gradio server function's
+reply arrived just as the next pass started). The Run tab waits for that word (up to ACK_WAIT_S) before it lets the
+next turn start. A page that does not answer in time (a hidden tab, which does not paint, or an API client, which
+has no page) is not waited for again in that run: a short settle (SETTLE_S) stands in for the word.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
-ACK_WAIT_S = 1.0
+ACK_WAIT_S = 2.0  # a loaded 2-core machine can take over a second (idle callbacks wait up to 0.5 s, twice)
 SETTLE_S = 0.05
 
 
@@ -86,6 +87,23 @@ class PageAcks:
 ACKS = PageAcks()  # one per console process: runs are told apart by their panel run ids
 
 
-def page_drawn(word) -> None:
-    """The live panels' server function (gr.HTML server_functions): the browser drew the update `word` names."""
-    ACKS.page_drawn(word)
+class DrawnBeacon:
+    """ASGI middleware: POST /page_drawn, whose body is the word (at most 64 bytes are read), tells ACKS and
+    answers 204 at once."""
+
+    PATH = "/page_drawn"
+
+    def __init__(self, app, acks: PageAcks | None = None):
+        self.app, self.acks = app, acks or ACKS
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.PATH:
+            return await self.app(scope, receive, send)
+        body, more = b"", True
+        while more and len(body) <= 64:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        self.acks.page_drawn(body[:64].decode("utf-8", "replace"))
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})

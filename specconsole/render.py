@@ -182,6 +182,9 @@ def figures_html(baseline: RunResult | None, speculative: RunResult | None, comp
         detail = (escape(str(comparison.get("noise"))) if comparison["noisy"]
                   else f"others used {number(comparison.get('other_cores'), '.2f')} cores, the console's page "
                        f"{number(comparison.get('page_cores'), '.2f')}")
+        if comparison.get("others_in_passes"):  # fair mode: where the disturbance fell
+            detail += "; others during each engine's passes: " + ", ".join(
+                f"{escape(e)} {number(v, '.2f')}" for e, v in comparison["others_in_passes"].items())
         rows.append(("machine during the run", f'{"noisy" if comparison["noisy"] else "quiet"}'
                                                f'<div class="fig-note">{detail}</div>'))
     cells = "".join(f'<div class="fig{" headline" if k in HEADLINE else ""}"><div class="fig-label">{escape(k)}</div>'

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 MODES = ("fair", "race")
 SAVE_EVERY_S = 1.0  # how often a running comparison appends its new events to the history
-PAGE_WAIT_S = 2.0  # the longest a fair turn waits for the page to draw its last update (page_drawn waits 1 s)
+PAGE_WAIT_S = 3.0  # the longest a fair turn waits for the page to draw its last update (page_drawn waits 2 s)
 
 
 class TurnLock:
@@ -219,8 +219,11 @@ class Comparison:
             for engine in list(streams):
                 turn = []
                 with self.ui_lock:
-                    self.page_idle.wait(PAGE_WAIT_S)
-                    self.load.console.start()
+                    # the page is drawing an update: wait for it, then for the browser's compositing of it (in
+                    # its other threads and processes)
+                    if not self.page_idle.is_set() and self.page_idle.wait(PAGE_WAIT_S):
+                        self.load.console.wait_until_quiet()
+                    self.load.console.start(engine)
                     clocks[engine].resume()
                     try:
                         for event in streams[engine]:  # up to the end of this engine's next target pass

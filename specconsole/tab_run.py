@@ -33,7 +33,7 @@ from specconsole import charts
 from specconsole.history import History
 from specconsole.host import ModelHost
 from specconsole.markup import md
-from specconsole.page_drawn import ACKS, SETTLE_S, page_drawn
+from specconsole.page_drawn import ACKS, SETTLE_S
 from specconsole.render import PanelFeed, engines_html, figures_html, legend_html, panel_notice
 from specconsole.runner import MODES, Comparison, run_meta
 from specconsole.suites import categories, load_suite
@@ -118,8 +118,7 @@ def extra_layout(labels: list[str]) -> list:
 
 def live_panel(elem_id: str) -> gr.HTML:
     """A token panel that the Run tab grows in place (assets/live_panel.js): its value is the latest message."""
-    return gr.HTML("", html_template='<div class="live-panel"></div>', js_on_load=LIVE_PANEL_JS, elem_id=elem_id,
-                   server_functions=[page_drawn])
+    return gr.HTML("", html_template='<div class="live-panel"></div>', js_on_load=LIVE_PANEL_JS, elem_id=elem_id)
 
 
 def _panel_note(result) -> str:

@@ -159,6 +159,25 @@ def test_the_charts_are_drawn_before_the_word(console, browser, monkeypatch):
     assert not any(draws), f"{sum(draws)} of {len(draws)} chart draws came after the page said it had drawn"
 
 
+def test_the_word_is_heard_over_http_and_checked(console):
+    """The browser's word comes as a beacon to POST /page_drawn: any caller can send one, so only the exact word of
+    an open run counts, a large body is not read whole, and the page itself is served as before."""
+    import httpx
+
+    url, _ = console
+    acks = ACKS.open("beacon-run")
+    try:
+        ACKS.expect(acks)
+        for word in (b"beacon-run:2", b"other:1", b"x" * 1_000_000, b"beacon-run:1" + b" " * 100):
+            assert httpx.post(url + "page_drawn", content=word).status_code == 204
+        assert not acks.drawn.is_set() and acks.answered == 0
+        assert httpx.post(url + "page_drawn", content=b"beacon-run:1").status_code == 204
+        assert acks.drawn.is_set() and acks.answered == 1
+        assert httpx.get(url).status_code == 200
+    finally:
+        ACKS.close("beacon-run")
+
+
 def test_a_page_that_does_not_answer_is_waited_for_once(console):
     """An API client has no page to draw: the first update waits ACK_WAIT_S for an answer, the rest do not."""
     url, history = console
