@@ -1,11 +1,14 @@
-"""A candidate form for the draft, side by side with the engines' own: weight-only int4 layers (groups of 32, the
-activations rounded to bfloat16 for torch's int4 kernel) and the int8 output layer, against the engines' int8 draft
-(torch's dynamic int8 Linear everywhere, engine.exact.optimize.quantize_linear), drafting for the same target in one
-process. Measured on 2026-12-01 and not kept (docs/memory.md#the-draft-in-int4-measured-not-kept).
+"""Candidate forms for the draft, side by side with the engines' own, drafting for the same target in one process:
+- "int4 layers": weight-only int4 (groups of 32, the activations rounded to bfloat16 for torch's int4 kernel);
+- "grouped int8 layers": the int8 target's own kernel (engine.exact.grouped_int8: codes in groups of 32, activations
+  quantized per row and group);
+both with the int8 output layer, against the engines' int8 draft (torch's dynamic int8 Linear everywhere,
+engine.exact.optimize.quantize_linear). Measured on 2026-12-01 (int4) and 2026-12-02 (grouped int8), neither kept
+(docs/memory.md#the-draft-in-int4-measured-not-kept).
 
     python -m benchmarks.draft_form --humaneval-prompts 4 --mtbench-prompts 4 --repeats 2
-    python -m benchmarks.draft_form --int4-max-rows 8    # passes of more rows (the prompt) on an int8 copy
-    python -m benchmarks.draft_form --precision float16
+    python -m benchmarks.draft_form --max-rows 8          # passes of more rows (the prompt) on an int8 copy
+    python -m benchmarks.draft_form --candidate grouped-int8 --precision int8 --max-rows 16
 
 Per prompt and repeat, the speculative engine runs once with each draft (the order alternating), greedy, hybrid
 drafting as the default preset. Prints per draft: how often its greedy choice is the target's next token (teacher
@@ -37,7 +40,8 @@ from engine.request import Request
 from engine.setup import setup
 
 log = logging.getLogger("benchmarks.draft_form")
-FORMS = ("int4 layers", "int8 (the engines')")
+ENGINES_FORM = "int8 (the engines')"
+CANDIDATES = {"int4": "int4 layers", "grouped-int8": "grouped int8 layers"}
 GROUP = 32  # weights per int4 scale and offset, along the input dimension (a GGUF Q4/Q8 block's size)
 
 
@@ -70,23 +74,41 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def int4_draft(model: nn.Module, max_rows: int | None) -> nn.Module:
-    """The draft's layers as Int4Linear where the kernel takes their shapes; the output layer stays int8."""
+class GroupedLinear(nn.Module):
+    """The int8 target's kernel for a draft layer; passes of more than `max_rows` rows on an int8 copy (torch's int8
+    kernel is faster for many rows); None: never."""
+
+    def __init__(self, linear: nn.Linear, max_rows: int | None = None):
+        from engine.exact.grouped_int8 import GroupedInt8Linear
+
+        super().__init__()
+        self.in_features, self.max_rows = linear.in_features, max_rows
+        self.grouped = GroupedInt8Linear(linear)
+        self.wide = quantize_linear(linear) if max_rows is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wide is not None and x.numel() > self.max_rows * self.in_features:
+            return self.wide(x)
+        return self.grouped(x)
+
+
+def candidate_draft(model: nn.Module, form: type[nn.Module], max_rows: int | None) -> nn.Module:
+    """The draft's layers in `form` where its kernel takes their shapes; the output layer stays int8."""
     head = model.get_output_embeddings()
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 fits = child.in_features % GROUP == 0 and child.out_features % 16 == 0
-                setattr(module, name, Int4Linear(child, max_rows) if fits and child is not head
+                setattr(module, name, form(child, max_rows) if fits and child is not head
                         else quantize_linear(child))
     return model
 
 
-def load_drafts(name: str, max_rows: int | None) -> dict:
+def load_drafts(name: str, candidate: str, max_rows: int | None) -> dict:
     """The draft in the candidate form, and as the engines load it."""
-    candidate = load(name, "draft", int8=False)
-    int4_draft(candidate.model, max_rows)
-    return {FORMS[0]: candidate, FORMS[1]: load(name, "draft", int8=True)}
+    draft = load(name, "draft", int8=False)
+    candidate_draft(draft.model, Int4Linear if candidate == "int4" else GroupedLinear, max_rows)
+    return {CANDIDATES[candidate]: draft, ENGINES_FORM: load(name, "draft", int8=True)}
 
 
 def agreement(draft, prompt_ids: list[int], output: list[int]) -> float:
@@ -103,13 +125,16 @@ def main(argv=None) -> int:
     p.set_defaults(humaneval_prompts=4)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--precision", default="float32", choices=PRECISIONS, help="the target's")
-    p.add_argument("--int4-max-rows", type=int, help="passes of more rows run on an int8 copy (default: none do)")
+    p.add_argument("--candidate", default="int4", choices=CANDIDATES, help="the draft's form to try")
+    p.add_argument("--max-rows", "--int4-max-rows", dest="max_rows", type=int,
+                   help="the candidate's passes of more rows run on an int8 copy (default: none do)")
     args = p.parse_args(argv)
     preset = PRESETS["qwen-coder"]
     plan = sample_plan(args)
 
     target = load(preset.target, "target", precision=args.precision)
-    drafts = load_drafts(preset.draft, args.int4_max_rows)
+    drafts = load_drafts(preset.draft, args.candidate, args.max_rows)
+    forms = list(drafts)  # the candidate, then the engines' form
     backends = {form: LocalBackend(target, d) for form, d in drafts.items()}
     with torch.inference_mode():
         context = code_context(target.tokenizer, 200)
@@ -121,13 +146,13 @@ def main(argv=None) -> int:
     for b in backends.values():  # warm-up
         run_engine(b, "speculative", Request(prompt="Hello", max_new_tokens=8, method=preset.method))
 
-    rows = {form: [[] for _ in plan] for form in FORMS}
+    rows = {form: [[] for _ in plan] for form in forms}
     differ: set[int] = set()
     outs: list[list[int]] = [[] for _ in plan]
     for r in range(args.repeats):
         for i, req in enumerate(requests):
             outputs = {}
-            for form in FORMS if (r + i) % 2 == 0 else FORMS[::-1]:
+            for form in forms if (r + i) % 2 == 0 else forms[::-1]:
                 s = run_engine(backends[form], "speculative", req)
                 outputs[form] = s.output_ids
                 rows[form][i].append({"tps": s.metrics["tokens_per_s"], "acceptance": s.metrics["acceptance_rate"],
@@ -136,30 +161,30 @@ def main(argv=None) -> int:
                 differ.add(i)
                 log.warning("prompt %d: the two drafts' outputs differ (greedy output must not depend on the draft)",
                             i + 1)
-            outs[i] = outputs[FORMS[0]]
+            outs[i] = outputs[forms[0]]
             log.info("repeat %d, prompt %d: %s", r + 1, i + 1,
-                     {f: round(rows[f][i][-1]["tps"], 2) for f in FORMS})
+                     {f: round(rows[f][i][-1]["tps"], 2) for f in forms})
     with torch.inference_mode():  # agreement, teacher forced on the target's output (greedy: the baseline's)
-        ids = [backends[FORMS[0]].prompt_ids(req) for req in requests]
+        ids = [backends[forms[0]].prompt_ids(req) for req in requests]
         agree = {form: [agreement(d, pi, o) for pi, o in zip(ids, outs)] for form, d in drafts.items()}
 
     med = statistics.median
-    per_prompt = {form: [{k: med(x[k] for x in reps) for k in reps[0]} for reps in rows[form]] for form in FORMS}
+    per_prompt = {form: [{k: med(x[k] for x in reps) for k in reps[0]} for reps in rows[form]] for form in forms}
     out = sys.stdout
-    wide = "" if args.int4_max_rows is None else f", int4 passes of more than {args.int4_max_rows} rows on int8"
+    wide = "" if args.max_rows is None else f", candidate passes of more than {args.max_rows} rows on int8"
     out.write(f"\nDraft forms{wide}: {preset.draft} for {target.name}; {len(plan)} prompts "
               f"(HumanEval {args.humaneval_prompts}, MT-Bench {args.mtbench_prompts}, seed {args.sample_seed}), "
               f"{args.repeats} repeats, {args.max_new_tokens} new tokens, greedy, {preset.method} drafting; medians "
               f"over prompts; machine: {machine()}\n\n")
     out.write("| draft | agrees with the target | acceptance | tokens per target pass | draft step ms | tok/s |\n"
               "| --- | --- | --- | --- | --- | --- |\n")
-    for form in FORMS:
+    for form in forms:
         pp = per_prompt[form]
         out.write(f"| {form} | {med(agree[form]):.2f} | {med(x['acceptance'] for x in pp):.2f} | "
                   f"{med(x['per_pass'] for x in pp):.2f} | {step_ms[form]:.1f} | {med(x['tps'] for x in pp):.2f} |\n")
-    ratio = [a["tps"] / b["tps"] for a, b in zip(per_prompt[FORMS[0]], per_prompt[FORMS[1]])]
+    ratio = [a["tps"] / b["tps"] for a, b in zip(per_prompt[forms[0]], per_prompt[forms[1]])]
     point, low, high = bootstrap_ci(ratio)
-    out.write(f"\ntok/s {FORMS[0]} / {FORMS[1]}: {point:.2f} [{low:.2f}, {high:.2f}] (per prompt: "
+    out.write(f"\ntok/s {forms[0]} / {forms[1]}: {point:.2f} [{low:.2f}, {high:.2f}] (per prompt: "
               + ", ".join(f"{x:.2f}" for x in ratio) + f"); outputs identical on {len(plan) - len(differ)}/{len(plan)}\n")
     return 0
 

@@ -1,11 +1,12 @@
-"""benchmarks.draft_form's candidate: an int4 draft (measured, not kept: docs/memory.md). Approximate by design, so
+"""benchmarks.draft_form's candidates: an int4 draft, a draft on the int8 target's kernel (measured, not kept:
+docs/memory.md). Approximate by design, so
 these check that it is close to the layer it replaces and which layer gets which form; how it drafts for the real
 target is the benchmark's question."""
 
 import torch
 from torch.ao.nn.quantized.dynamic import Linear as Int8Linear
 
-from benchmarks.draft_form import GROUP, Int4Linear, int4_draft
+from benchmarks.draft_form import GROUP, GroupedLinear, Int4Linear, candidate_draft
 from tests.conftest import tiny_llama
 
 
@@ -43,10 +44,30 @@ def test_wide_passes_run_on_the_int8_copy():
 
 
 def test_the_layers_become_int4_and_the_output_layer_int8():
-    model = int4_draft(tiny_llama(512, seed=3), max_rows=None)
+    model = candidate_draft(tiny_llama(512, seed=3), Int4Linear, max_rows=None)
     assert isinstance(model.lm_head, Int8Linear)  # FR-Spec prunes its rows
     layer = model.model.layers[0]
     linears = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
                layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj]
     assert all(isinstance(linear, Int4Linear) for linear in linears)
     assert not [m for m in model.modules() if type(m) is torch.nn.Linear]
+
+
+def test_grouped_draft_layers_are_close_and_wide_passes_use_the_copy():
+    from engine.exact.grouped_int8 import GroupedInt8Linear, unavailable
+
+    if unavailable():
+        import pytest
+
+        pytest.skip(unavailable())
+    torch.manual_seed(4)
+    linear = torch.nn.Linear(256, 96)
+    layer = GroupedLinear(linear, max_rows=8)
+    x = torch.randn(1, 9, 256)
+    assert torch.equal(layer(x), layer.wide(x))
+    y, exact = layer(x[:, :8]), linear(x[:, :8])
+    assert torch.equal(y, layer.grouped(x[:, :8]))
+    assert 0 < (y - exact).norm() / exact.norm() < 0.02
+    model = candidate_draft(tiny_llama(512, seed=3), GroupedLinear, max_rows=None)
+    assert isinstance(model.lm_head, Int8Linear)
+    assert isinstance(model.model.layers[0].mlp.down_proj.grouped, GroupedInt8Linear)
