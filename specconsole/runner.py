@@ -82,8 +82,9 @@ class EngineClock:
         self.since = time.perf_counter()
 
     def pause(self) -> None:
-        self.elapsed += time.perf_counter() - self.since
-        self.since = None
+        if self.since is not None:  # (a turn that failed before its clock started)
+            self.elapsed += time.perf_counter() - self.since
+            self.since = None
 
     def __call__(self) -> float:
         return self.elapsed + (time.perf_counter() - self.since if self.since is not None else 0.0)
@@ -219,13 +220,13 @@ class Comparison:
             for engine in list(streams):
                 turn = []
                 with self.ui_lock:
-                    # the page is drawing an update: wait for it, then for the browser's compositing of it (in
-                    # its other threads and processes)
-                    if not self.page_idle.is_set() and self.page_idle.wait(PAGE_WAIT_S):
-                        self.load.console.wait_until_quiet()
-                    self.load.console.start(engine)
-                    clocks[engine].resume()
                     try:
+                        # the page is drawing an update: wait for it, then for the browser's compositing of it (in
+                        # its other threads and processes)
+                        if not self.page_idle.is_set() and self.page_idle.wait(PAGE_WAIT_S):
+                            self.load.console.wait_until_quiet()
+                        self.load.console.start(engine)
+                        clocks[engine].resume()
                         for event in streams[engine]:  # up to the end of this engine's next target pass
                             if hold:
                                 turn.append((engine, event))
@@ -235,7 +236,9 @@ class Comparison:
                                 break
                         else:
                             del streams[engine]
-                    except Exception as e:  # noqa: BLE001 - an engine that dies is reported, the other goes on
+                    # an engine that dies is reported and the others go on; so is a failure of the turn's own
+                    # waiting and measuring, which would otherwise end this thread and leave the run unfinished
+                    except Exception as e:  # noqa: BLE001
                         turn.append((engine, self._crashed(engine, e)))
                         del streams[engine]
                     finally:

@@ -78,6 +78,29 @@ def test_turn_gaps_stand_where_the_page_waits_and_are_not_timed(backend):
     assert sum(r.total_s for r in results.values()) < wall - 0.02 * (gap.waits - len(results))
 
 
+def test_a_turn_that_fails_before_its_pass_ends_the_run_with_the_reason(backend):
+    """A failure in a fair turn's own waiting or measuring (not in an engine) is reported as that engine's error:
+    the turns' thread does not die and leave the run unfinished (a page waiting forever)."""
+
+    class Broken:
+        def is_set(self):
+            return False
+
+        def wait(self, timeout=None):
+            raise RuntimeError("the page's wait broke")
+
+        def set(self):
+            pass
+
+        def clear(self):
+            pass
+
+    comp = Comparison(backend, Request(prompt="hello there", max_new_tokens=8, method="draft", k=2), "fair", None, {})
+    comp.page_idle = Broken()
+    run_to_end(comp)
+    assert all("the page's wait broke" in r.error for r in comp.results.values())
+
+
 def test_engine_clock_pauses():
     clock = EngineClock()
     clock.resume()
