@@ -101,6 +101,28 @@ def test_a_turn_that_fails_before_its_pass_ends_the_run_with_the_reason(backend)
     assert all("the page's wait broke" in r.error for r in comp.results.values())
 
 
+def test_whole_run_turns_start_on_a_quiet_machine(backend, monkeypatch):
+    """Sequential turns (a backend whose engines share the cores and run a whole request per turn, like managed
+    llama.cpp servers): the page draws while a turn streams, so every turn first waits for a quiet machine, not only
+    the turns after the page's word."""
+    import dataclasses
+
+    from specconsole.machine import ConsoleWork
+
+    waits = []
+    monkeypatch.setattr(ConsoleWork, "wait_until_quiet", lambda self: waits.append(time.perf_counter()))
+    monkeypatch.setattr(backend, "capabilities", dataclasses.replace(backend.capabilities, fair_strategy="sequential"))
+    comp = run_to_end(Comparison(backend, Request(prompt="hello there", max_new_tokens=8, method="draft", k=2),
+                                 "fair", None, {}))
+    assert all(r.finish_reason == "length" for r in comp.results.values())
+    assert len(waits) >= len(comp.engines)
+    monkeypatch.setattr(backend, "capabilities", dataclasses.replace(backend.capabilities, fair_strategy="alternate"))
+    waits.clear()
+    run_to_end(Comparison(backend, Request(prompt="hello there", max_new_tokens=8, method="draft", k=2), "fair",
+                          None, {}))
+    assert not waits  # turns of a pass each wait only after the page drew (no page here)
+
+
 def test_engine_clock_pauses():
     clock = EngineClock()
     clock.resume()
