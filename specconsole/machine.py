@@ -91,10 +91,11 @@ class ConsoleWork:
             self._outside = None
 
     def wait_until_quiet(self) -> None:
-        """Wait until other processes have taken no CPU for QUIET_WINDOW_S, at most QUIET_LIMIT_S. Called when the
-        page has drawn an update: its browser still composites the frame in other threads and processes, and a
-        pass timed meanwhile would carry that work. On a machine that is never quiet (a compile, a second run) the
-        wait gives up after it ran out twice in a row, for the rest of the run."""
+        """Wait until other processes have taken no CPU for QUIET_WINDOW_S, at most QUIET_LIMIT_S. Called before a
+        timed turn when the page has just drawn an update (its browser still composites the frame in other threads
+        and processes, and a pass timed meanwhile would carry that work), and before every turn that is a whole run.
+        On a machine that is never quiet (a compile, a second run) the wait gives up after it ran out twice in a
+        row, for the rest of the run."""
         if self.quiet_given_up:
             return
         start = time.perf_counter()

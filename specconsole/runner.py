@@ -223,8 +223,8 @@ class Comparison:
                     try:
                         # the page is drawing an update: wait for it, then for the browser's compositing of it (in
                         # its other threads and processes). A turn that is a whole run (sequential) always waits for
-                        # quiet: the page streams during it, and its drawing of the first run's end and of the run's
-                        # start would fall in the next turn.
+                        # quiet: the page streams during such turns, and its drawing of the comparison's start or of
+                        # the last engine's last updates would fall in the next turn.
                         drew = not self.page_idle.is_set() and self.page_idle.wait(PAGE_WAIT_S)
                         if drew or not hold:
                             self.load.console.wait_until_quiet()
