@@ -115,6 +115,8 @@ def test_whole_run_turns_start_on_a_quiet_machine(backend, monkeypatch):
     comp = run_to_end(Comparison(backend, Request(prompt="hello there", max_new_tokens=8, method="draft", k=2),
                                  "fair", None, {}))
     assert all(r.finish_reason == "length" for r in comp.results.values())
+    for thread in comp._threads:  # its turns' thread may still be finding the ended streams: it waits there too
+        thread.join(10)
     assert len(waits) >= len(comp.engines)
     monkeypatch.setattr(backend, "capabilities", dataclasses.replace(backend.capabilities, fair_strategy="alternate"))
     waits.clear()
