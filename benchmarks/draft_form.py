@@ -45,14 +45,31 @@ CANDIDATES = {"int4": "int4 layers", "grouped-int8": "grouped int8 layers"}
 GROUP = 32  # weights per int4 scale and offset, along the input dimension (a GGUF Q4/Q8 block's size)
 
 
-class Int4Linear(nn.Module):
-    """Weight-only int4: each group of GROUP weights of an output row as 4-bit steps between its minimum and maximum;
-    the activations rounded to bfloat16 (aten._weight_int4pack_mm_for_cpu is vectorized on x86 for bfloat16 only).
-    Passes of more than `max_rows` rows run on an int8 copy (the int4 kernel takes a row at a time); None: never."""
+class WideOnInt8(nn.Module):
+    """A candidate draft layer whose passes of more than `max_rows` rows (the prompt) run on an int8 copy
+    (engine.exact.optimize.quantize_linear), the rest on its own kernel (`narrow`); None: no copy, never."""
 
     def __init__(self, linear: nn.Linear, max_rows: int | None = None):
         super().__init__()
         self.in_features, self.out_features, self.max_rows = linear.in_features, linear.out_features, max_rows
+        self.wide = quantize_linear(linear) if max_rows is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] float32
+        if self.wide is not None and x.numel() > self.max_rows * self.in_features:
+            return self.wide(x)
+        return self.narrow(x)
+
+    def narrow(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int4Linear(WideOnInt8):
+    """Weight-only int4: each group of GROUP weights of an output row as 4-bit steps between its minimum and maximum;
+    the activations rounded to bfloat16 (aten._weight_int4pack_mm_for_cpu is vectorized on x86 for bfloat16 only).
+    The int4 kernel takes a row at a time, hence the int8 copy for long passes."""
+
+    def __init__(self, linear: nn.Linear, max_rows: int | None = None):
+        super().__init__(linear, max_rows)
         groups = linear.weight.detach().float().reshape(self.out_features, -1, GROUP)  # [N, K/G, G]
         low, high = groups.amin(-1), groups.amax(-1)  # [N, K/G]
         # the kernel computes (q - 8) * scale + offset, q in 0..15, scale and offset in bfloat16
@@ -63,36 +80,28 @@ class Int4Linear(nn.Module):
             q.to(torch.int32).reshape(self.out_features, self.in_features), 1)  # [N, K/2] uint8
         self.scale_offset = torch.stack([scale.t(), offset.t()], dim=-1).contiguous()  # [K/G, N, 2]
         self.bias = None if linear.bias is None else linear.bias.detach().float()
-        self.wide = quantize_linear(linear) if max_rows is not None else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] float32
-        if self.wide is not None and x.numel() > self.max_rows * self.in_features:
-            return self.wide(x)
+    def narrow(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [R, in]
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scale_offset).float()
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
-class GroupedLinear(nn.Module):
-    """The int8 target's kernel for a draft layer; passes of more than `max_rows` rows on an int8 copy (torch's int8
-    kernel is faster for many rows); None: never."""
+class GroupedLinear(WideOnInt8):
+    """The int8 target's kernel for a draft layer (torch's int8 kernel is faster for many rows, hence the copy)."""
 
     def __init__(self, linear: nn.Linear, max_rows: int | None = None):
         from engine.exact.grouped_int8 import GroupedInt8Linear
 
-        super().__init__()
-        self.in_features, self.max_rows = linear.in_features, max_rows
+        super().__init__(linear, max_rows)
         self.grouped = GroupedInt8Linear(linear)
-        self.wide = quantize_linear(linear) if max_rows is not None else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.wide is not None and x.numel() > self.max_rows * self.in_features:
-            return self.wide(x)
+    def narrow(self, x: torch.Tensor) -> torch.Tensor:
         return self.grouped(x)
 
 
-def candidate_draft(model: nn.Module, form: type[nn.Module], max_rows: int | None) -> nn.Module:
+def candidate_draft(model: nn.Module, form: type[WideOnInt8], max_rows: int | None) -> nn.Module:
     """The draft's layers in `form` where its kernel takes their shapes; the output layer stays int8."""
     head = model.get_output_embeddings()
     for module in list(model.modules()):

@@ -62,14 +62,7 @@ class ConsoleWork:
 
     def _outside_console_s(self) -> float:
         """CPU seconds the machine spent busy outside this console and its servers."""
-        servers = 0.0
-        for p in self.servers:
-            try:
-                t = p.cpu_times()
-                servers += t.user + t.system
-            except psutil.NoSuchProcess:
-                pass
-        return _busy_s() - _own_s() - servers
+        return _busy_s() - _own_s() - sum(_servers_s(self.servers).values())
 
     def start(self, engine: str | None = None) -> None:
         """A timed pass starts (`engine`: whose, when only one engine runs at a time)."""

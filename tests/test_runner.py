@@ -180,26 +180,6 @@ def test_busy_machine_marks_the_run_noisy():
     assert "machine during the run" in html and "noisy" in html
 
 
-def test_the_consoles_own_servers_are_not_a_disturbance():
-    """A managed vLLM or llama.cpp server is a process the console started before the run: its work is the run's
-    engines, not another process's, and does not count towards a noisy run."""
-    import subprocess
-    import sys
-    import time
-
-    from specconsole.machine import MachineLoad
-
-    spin = "import sys, time\nprint(flush=True)\nend = time.time() + 2.5\nwhile time.time() < end: pass"
-    server = subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE)
-    server.stdout.readline()  # running
-    load = MachineLoad()
-    time.sleep(1.0)
-    result = load.result()
-    server.wait()
-    # its core counts as the console's (before: as another process's, which marked every such run noisy)
-    assert result["console_cores"] > 0.5, result
-
-
 def _hog(seconds: float):
     import subprocess
     import sys
@@ -210,11 +190,23 @@ def _hog(seconds: float):
     return hog
 
 
+def test_the_consoles_own_servers_are_not_a_disturbance():
+    """A managed vLLM or llama.cpp server is a process the console started before the run: its work is the run's
+    engines, not another process's, and does not count towards a noisy run."""
+    from specconsole.machine import MachineLoad
+
+    server = _hog(2.5)  # running
+    load = MachineLoad()
+    time.sleep(1.0)
+    result = load.result()
+    server.wait()
+    # its core counts as the console's (before: as another process's, which marked every such run noisy)
+    assert result["console_cores"] > 0.5, result
+
+
 def test_other_processes_are_counted_in_the_passes_they_overlap():
     """Another process's CPU time is charged to the engine whose timed pass it overlapped: a disturbance that falls
     on the baseline's passes and not on the speculative engine's shows as such (it biases the speedup)."""
-    import time
-
     from specconsole.machine import MachineLoad
 
     load = MachineLoad()
@@ -237,8 +229,6 @@ def test_other_processes_are_counted_in_the_passes_they_overlap():
 def test_the_wait_for_a_quiet_machine_gives_up_on_a_busy_one():
     """Before a pass that follows the page's drawing, the turn waits until other processes take no CPU; a machine
     that stays busy is waited for at most twice per run (each wait at most QUIET_LIMIT_S), not before every pass."""
-    import time
-
     from specconsole import machine
 
     hog = _hog(3.0)
