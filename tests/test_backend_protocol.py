@@ -60,3 +60,22 @@ def test_vllm_backend_serves_its_extra_servers_as_variants():
                                   "speculative-3": {"label": "vLLM (config not given)", "method": "vllm"}}
     with pytest.raises(VLLMError, match="no speculative-4 vLLM server"):
         list(backend.speculative(Request(prompt="x"), engine="speculative-4"))
+
+
+@pytest.mark.parametrize("cores, strategy", [(2, "sequential"), (3, "parallel")])
+def test_managed_engines_run_at_once_only_with_a_core_left_for_the_console(monkeypatch, cores, strategy):
+    """Two vLLM servers on one core each, or two one-thread llama.cpp engines: on 2 cores the console and the page
+    would share an engine's core, so fair mode takes turns; with a third core the engines run at once. GPU servers
+    always run at once."""
+    import os
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    on_cores = [SimpleNamespace(config=SimpleNamespace(gpu=False, cpu_core=i, threads=1)) for i in range(2)]
+    vllm = VLLMBackend("http://127.0.0.1:9", "http://127.0.0.1:9", "m", servers=on_cores)
+    llama = LlamaCppBackend({"baseline": "http://127.0.0.1:9", "speculative": "http://127.0.0.1:9"},
+                            {"baseline": None, "speculative": None}, engines=on_cores)
+    assert vllm.capabilities.fair_strategy == llama.capabilities.fair_strategy == strategy
+    on_gpu = [SimpleNamespace(config=SimpleNamespace(gpu=True, cpu_core=None)) for _ in range(2)]
+    assert VLLMBackend("http://127.0.0.1:9", "http://127.0.0.1:9", "m", servers=on_gpu).capabilities.fair_strategy \
+        == "parallel"

@@ -3,8 +3,8 @@ ones for an N-way comparison), as an engine.backend.Backend.
 
 Managed mode starts them on GGUF files (engine.llamacpp.server: the xllamacpp wheel, llama.cpp's own server, one
 process per engine), one after the other, each with the machine's cores; they take turns in fair mode (both at once
-only where --llamacpp-threads leaves each engine cores of its own). Attach mode talks to llama-server instances
-someone already runs (their /completion, /apply-template, /tokenize and /slots).
+only where --llamacpp-threads leaves each engine cores of its own and one for the console). Attach mode talks to
+llama-server instances someone already runs (their /completion, /apply-template, /tokenize and /slots).
 
 Drafting is each speculative engine's own configuration (method, K = draft n_max or the n-gram type's length,
 n_min, p_min): this llama.cpp build accepts the per-request "speculative.n_max" / "n_min" / "p_min" fields without
@@ -36,7 +36,7 @@ from typing import Callable, Iterator
 
 import httpx
 
-from engine.backend import DRAFTING_SETTINGS, MAX_EXTRA, Capabilities, extra_engine
+from engine.backend import DRAFTING_SETTINGS, MAX_EXTRA, Capabilities, cores_left_over, extra_engine
 from engine.events import Event, RunResult, StepRecord, TokenEvent, TokenKind
 from engine.serving.http_safety import fetch, redact
 from engine.llamacpp.client import is_last, parse_chunk, render_prompt, request_body
@@ -76,9 +76,9 @@ class LlamaCppBackend:
         self.models = models or {}
         # the draft GGUF the engines were given: a method sweep that passes through n-gram drafting returns to it
         self.draft_path = next((c.draft for c in self.configs.values() if c is not None and c.draft), None)
-        cores = os.cpu_count() or 1
-        # each engine on cores of its own can run at once without slowing the other; else fair mode takes turns
-        own = bool(self.engines) and sum(e.config.threads for e in self.engines) <= cores
+        # each engine on cores of its own, with a core left for the console (cores_left_over), can run at once
+        # without slowing the other; else fair mode takes turns
+        own = bool(self.engines) and cores_left_over(sum(e.config.threads for e in self.engines))
         self.capabilities = Capabilities(knows_rejected=False, per_request_drafting=False,
                                          can_reconfigure=len(self.engines) >= 2, concurrent_requests=slots > 1,
                                          fair_strategy="parallel" if own else "sequential", fixed_variants=True)

@@ -44,7 +44,7 @@ from typing import Callable, Iterator
 
 import httpx
 
-from engine.backend import DRAFTING_SETTINGS, MAX_EXTRA, Capabilities, extra_engine
+from engine.backend import DRAFTING_SETTINGS, MAX_EXTRA, Capabilities, cores_left_over, extra_engine
 from engine.events import Event, Reclassified, RunResult, StepRecord, TokenEvent, TokenKind
 from engine.serving.http_safety import ResponseRefused, afetch, endpoint, fetch, number, redact
 from engine.limits import SettingsError
@@ -101,10 +101,11 @@ class VLLMBackend:
         self.extra_configs = {extra_engine(i): config or {} for i, (_, config) in enumerate(extra)}
         self.max_model_len = max_model_len
         # managed servers that each own their cores (or GPU share) can run at once without stealing compute; on a
-        # CPU with fewer cores than servers the cores wrap around, two servers share one, and fair mode must take
-        # turns instead
+        # CPU with no core left for the console (cores_left_over), or fewer cores than servers (the cores wrap
+        # around, two servers share one), fair mode must take turns instead
         owned = bool(self.servers) and (all(s.config.gpu for s in self.servers)
-                                        or len({s.config.cpu_core for s in self.servers}) == len(self.servers))
+                                        or len({s.config.cpu_core for s in self.servers}) == len(self.servers)
+                                        and cores_left_over(len(self.servers)))
         self.capabilities = Capabilities(knows_rejected=False, per_request_drafting=False,
                                          can_reconfigure=len(self.servers) >= 2, concurrent_requests=True,
                                          fair_strategy="parallel" if owned else "sequential", fixed_variants=True)
