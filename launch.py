@@ -37,9 +37,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="target passes over fewer tokens run padded to this many rows: bitwise exact and faster on "
                         "our CPU (1 = no padding: single rows may differ in the last bits)")
     p.add_argument("--precision", default="float32", choices=PRECISIONS,
-                   help="the target's weights: float32, float16 on CPU (half the bytes to read per token) or int8 "
-                        "on an x86 CPU (llama.cpp's arithmetic, a third of the bytes; compiled on first use); "
-                        "speculative output still equals the baseline's, both may part from float32's")
+                   help="the target's weights: float32, float16 on CPU (half the bytes to read per token), int8 "
+                        "on an x86 CPU (llama.cpp's arithmetic, a third of the bytes; compiled on first use) or int4 "
+                        "(int8's kernel on the GGUF's own 4-bit codes, the rest int8); speculative output still "
+                        "equals the baseline's, both may part from float32's")
     p.add_argument("--target", help="target model instead of the preset's: a model directory or a .gguf file")
     p.add_argument("--draft", help="draft model instead of the preset's (same tokenizer as the target)")
 

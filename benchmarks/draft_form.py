@@ -2,13 +2,17 @@
 - "int4 layers": weight-only int4 (groups of 32, the activations rounded to bfloat16 for torch's int4 kernel);
 - "grouped int8 layers": the int8 target's own kernel (engine.exact.grouped_int8: codes in groups of 32, activations
   quantized per row and group);
-both with the int8 output layer, against the engines' int8 draft (torch's dynamic int8 Linear everywhere,
+- "grouped int4 layers": the same kernel on 4-bit codes (the int4 target's layers; 16 levels per group of 32 from the
+  draft's float weights, which are not 4-bit in its GGUF);
+each with the int8 output layer, against the engines' int8 draft (torch's dynamic int8 Linear everywhere,
 engine.exact.optimize.quantize_linear). Measured on 2026-12-01 (int4) and 2026-12-02 (grouped int8), neither kept
-(docs/memory.md#the-draft-in-int4-measured-not-kept).
+(docs/memory.md#the-draft-in-int4-measured-not-kept); grouped int4 was kept beside an int4 target, as
+engine.exact.optimize.Int4Draft (this script's Grouped4Linear with --max-rows 16).
 
     python -m benchmarks.draft_form --humaneval-prompts 4 --mtbench-prompts 4 --repeats 2
     python -m benchmarks.draft_form --max-rows 8          # passes of more rows (the prompt) on an int8 copy
     python -m benchmarks.draft_form --candidate grouped-int8 --precision int8 --max-rows 16
+    python -m benchmarks.draft_form --candidate grouped-int4 --precision int4 --max-rows 16
 
 Per prompt and repeat, the speculative engine runs once with each draft (the order alternating), greedy, hybrid
 drafting as the default preset. Prints per draft: how often its greedy choice is the target's next token (teacher
@@ -41,7 +45,7 @@ from engine.setup import setup
 
 log = logging.getLogger("benchmarks.draft_form")
 ENGINES_FORM = "int8 (the engines')"
-CANDIDATES = {"int4": "int4 layers", "grouped-int8": "grouped int8 layers"}
+CANDIDATES = {"int4": "int4 layers", "grouped-int8": "grouped int8 layers", "grouped-int4": "grouped int4 layers"}
 GROUP = 32  # weights per int4 scale and offset, along the input dimension (a GGUF Q4/Q8 block's size)
 
 
@@ -91,14 +95,23 @@ class Int4Linear(WideOnInt8):
 class GroupedLinear(WideOnInt8):
     """The int8 target's kernel for a draft layer (torch's int8 kernel is faster for many rows, hence the copy)."""
 
+    four_bit = False  # Grouped4Linear: the int4 target's 4-bit codes, 16 levels per group from the float weights
+
     def __init__(self, linear: nn.Linear, max_rows: int | None = None):
-        from engine.exact.grouped_int8 import GroupedInt8Linear
+        from engine.exact.grouped_int8 import GroupedInt4Linear, GroupedInt8Linear
 
         super().__init__(linear, max_rows)
-        self.grouped = GroupedInt8Linear(linear)
+        self.grouped = (GroupedInt4Linear if self.four_bit else GroupedInt8Linear)(linear)
 
     def narrow(self, x: torch.Tensor) -> torch.Tensor:
         return self.grouped(x)
+
+
+class Grouped4Linear(GroupedLinear):
+    four_bit = True
+
+
+FORMS = {"int4": Int4Linear, "grouped-int8": GroupedLinear, "grouped-int4": Grouped4Linear}
 
 
 def candidate_draft(model: nn.Module, form: type[WideOnInt8], max_rows: int | None) -> nn.Module:
@@ -116,7 +129,7 @@ def candidate_draft(model: nn.Module, form: type[WideOnInt8], max_rows: int | No
 def load_drafts(name: str, candidate: str, max_rows: int | None) -> dict:
     """The draft in the candidate form, and as the engines load it."""
     draft = load(name, "draft", int8=False)
-    candidate_draft(draft.model, Int4Linear if candidate == "int4" else GroupedLinear, max_rows)
+    candidate_draft(draft.model, FORMS[candidate], max_rows)
     return {CANDIDATES[candidate]: draft, ENGINES_FORM: load(name, "draft", int8=True)}
 
 

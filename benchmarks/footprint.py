@@ -126,7 +126,7 @@ def console_start(preset: str, cache: Path, code: Path, precision: str) -> float
     return ready
 
 
-STORED_INT8 = "int8 (the int8 target's stored form)"
+STORED = {"int8": "int8 (the int8 target's stored form)", "int4": "int4 (the int4 target's stored form)"}
 
 
 def preset_files(preset: str, cache: Path) -> dict[str, int]:
@@ -135,11 +135,13 @@ def preset_files(preset: str, cache: Path) -> dict[str, int]:
     from engine.loading.weights import SOURCES
 
     p = PRESETS[preset]
-    sizes = {"gguf": 0, "gguf-meta": 0, STORED_INT8: 0, "wheels": 0, "legacy float32 (models/)": 0}
+    sizes = {"gguf": 0, "gguf-meta": 0, **dict.fromkeys(STORED.values(), 0), "wheels": 0,
+             "legacy float32 (models/)": 0}
     for name in filter(None, (p.target, p.draft)):
         source = SOURCES[name]
         files = {"gguf": [cache / "gguf" / source.filename], "gguf-meta": (cache / "gguf-meta" / name).glob("*"),
-                 STORED_INT8: (cache / "int8").glob(f"{Path(source.filename).stem}-*.pt"),
+                 **{kind: (cache / precision).glob(f"{Path(source.filename).stem}-*.pt")
+                    for precision, kind in STORED.items()},
                  "legacy float32 (models/)": (cache / "models" / name).glob("*"),
                  "wheels": [w for c in source.chunks for w in (cache / "wheels").glob(f"{c.dist.replace('-', '_')}-*.whl")]}
         for kind, paths in files.items():
@@ -161,7 +163,7 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen-coder")
     ap.add_argument("--cold", action="store_true", help="also measure a start from the wheels only")
     ap.add_argument("--code", type=Path, default=ROOT, help="checkout whose engine is measured")
-    ap.add_argument("--precision", default="float32", choices=("float32", "float16", "int8"),
+    ap.add_argument("--precision", default="float32", choices=("float32", "float16", *STORED),
                     help="the target's weights")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -206,10 +208,10 @@ def main() -> None:
                  r["weights_gib"], r["greedy_identical"])
     for kind, n in files.items():
         log.info("cache, %s: %.2f GB", kind, n / 1e9)
-    stored = files[STORED_INT8] if args.precision == "int8" else 0
+    stored = files.get(STORED.get(args.precision), 0)
     used = files["gguf"] + files["gguf-meta"] + stored
     log.info("cache the preset needs (gguf + gguf-meta%s): %.2f GB; all of the above: %.2f GB",
-             " + int8" if args.precision == "int8" else "", used / 1e9, sum(files.values()) / 1e9)
+             f" + {args.precision}" if args.precision in STORED else "", used / 1e9, sum(files.values()) / 1e9)
     print(json.dumps({"machine": machine(), "runs": runs, "cache_bytes": files}, indent=1))
 
 

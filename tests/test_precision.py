@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from engine.exact.optimize import MIN_ROWS, free_rows, linear_converter, prepare_draft, prepare_target
-from engine.exact.precision import HalfLinear, fp16_available
+from engine.exact.precision import ROW_MULTIPLES, HalfLinear, fp16_available, row_multiple
 from tests.conftest import CPU, perturbed, tiny_llama
 from tests.test_greedy_exact import *  # the greedy identity tests, collected here again: they use tiny_pair below
 
@@ -39,6 +39,18 @@ def test_every_pass_size_gives_each_row_what_a_single_row_gives(shape):
     assert torch.allclose(long, rounded, atol=1e-4, rtol=1e-5)
 
 
+def test_the_probed_row_multiple_is_the_smallest_exact_one():
+    """Padding to row_multiple() makes every pass size exact (the test above); a smaller multiple of ROW_MULTIPLES does
+    not, on this CPU (on AVX2 without AVX-512 fbgemm's last 1-2 rows of a block of 6 take another kernel)."""
+    torch.manual_seed(0)
+    linear, x = torch.nn.Linear(1536, 1536), torch.randn(1, 300, 1536)
+    for multiple in ROW_MULTIPLES[: ROW_MULTIPLES.index(row_multiple())]:
+        layer = HalfLinear(linear, multiple=multiple)
+        long = layer(x)
+        assert not all(torch.equal(layer(x[:, :rows]), long[:, :rows]) for rows in ROWS), multiple
+    assert HalfLinear(linear).multiple == row_multiple()
+
+
 def test_prepare_target_converts_every_linear_and_keeps_float32_the_default():
     half = prepare_target(tiny_llama(512, seed=1), CPU, precision="float16")
     assert not [m for m in half.modules() if isinstance(m, torch.nn.Linear)]
@@ -49,7 +61,7 @@ def test_prepare_target_converts_every_linear_and_keeps_float32_the_default():
 
 def test_the_converter_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="precision"):
-        linear_converter("target", CPU, precision="int4")
+        linear_converter("target", CPU, precision="int2")
     with pytest.raises(ValueError, match="CPU"):
         linear_converter("target", torch.device("cuda"), precision="float16")
     linear = torch.nn.Linear(8, 4)
@@ -69,7 +81,7 @@ def test_load_makes_a_float16_target_and_counts_its_bytes(tmp_path, smol_tokeniz
     # 2 bytes a weight instead of 4; the float16 figure also counts the rotary tables (non-persistent buffers)
     assert 0 <= half.nbytes - (full.nbytes - 2 * linear_params) < 1024
     with pytest.raises(ModelError, match="precision"):
-        load(str(tmp_path), "target", CPU, precision="int4")
+        load(str(tmp_path), "target", CPU, precision="int2")
 
 
 def test_the_command_line_option_reaches_the_target(tmp_path, smol_tokenizer):

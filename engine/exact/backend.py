@@ -63,7 +63,8 @@ class LocalBackend:
         # both at once: each load keeps a core busy only part of the time (reading, dequantizing, packing take turns),
         # so together they start ~30 % sooner on two cores; the peak stays the two models plus one tensor each
         with ThreadPoolExecutor(2, thread_name_prefix="load") as pool:
-            draft = pool.submit(load, preset.draft, "draft", dev, int8=preset.int8_draft, on_progress=on_progress)
+            draft = pool.submit(load, preset.draft, "draft", dev, int8=preset.int8_draft, on_progress=on_progress,
+                                precision=precision)  # an int4 target's draft runs on its kernel too
             target = pool.submit(load, preset.target, "target", dev, min_rows=min_rows, on_progress=on_progress,
                                  precision=precision)
             return cls(target.result(), draft.result())

@@ -9,6 +9,11 @@
 // broadcast to every lane, so a block's 16 dot products grow side by side and no sum runs across lanes
 // (how llama.cpp and oneDNN lay out int8 weights). scale and low: [block][group][16].
 //
+// 4-bit codes ("int4" layers, code in 0..15: a GGUF Q4_K group's own codes) take half the bytes: for block b and group
+// g, 256 bytes hold at [p][j][t] (p in 0..3) code[16 b + j, 32 g + 8 p + t] in the low nibble and
+// code[16 b + j, 32 g + 8 p + 4 + t] in the high one. Unpacked, each nibble is the vector the 8-bit layout has for
+// q = 2 p or 2 p + 1, and the arithmetic is the same.
+//
 // Each output element comes from its own input row by one fixed sequence of operations, whatever the number of
 // rows in the pass or which rows share a call: a row gets the same bits in a pass of 1 row or of 300
 // (tests/test_int8_target.py). Built with -ffp-contract=off, so the compiler fuses no multiply-add of its own.
@@ -31,24 +36,35 @@ inline int32_t quad(const int8_t* p) {  // 4 activations as one 32-bit lane
 }
 
 // AVX2: a block as two halves of 8 lanes; maddubs + madd give each lane its 4 products' sum (code * xq <= 127 * 127,
-// a pair fits int16). R rows at a time.
-template <int R>
+// a pair fits int16). R rows at a time; NIBBLES: 4-bit codes.
+template <int R, bool NIBBLES>
 void block_avx2(const uint8_t* code, const float* scale, const float* low, int64_t groups, const int8_t* const* xq,
                 const float* const* xs, const float* const* xl, float* const* y) {
-  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F);
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* c = code + g * BLOCK;
+    const uint8_t* c = code + g * (NIBBLES ? BLOCK / 2 : BLOCK);
     __m256i dot[R][2];
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
-    for (int q = 0; q < G / 4; ++q) {
-      const __m256i c0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + q * 64));
-      const __m256i c1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + q * 64 + 32));
+    for (int q = 0; q < G / 4; q += 2) {
+      __m256i cq[2][2];  // the codes of quads q and q + 1, [quad][half]
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (NIBBLES) {
+          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + q * 32 + 32 * h));
+          cq[0][h] = _mm256_and_si256(b, nibble);
+          cq[1][h] = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+        } else {
+          cq[0][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + q * 64 + 32 * h));
+          cq[1][h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + q * 64 + 64 + 32 * h));
+        }
+      }
       for (int r = 0; r < R; ++r) {
-        const __m256i a = _mm256_set1_epi32(quad(xq[r] + g * G + q * 4));
-        dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(c0, a), ones));
-        dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(c1, a), ones));
+        for (int e = 0; e < 2; ++e) {
+          const __m256i a = _mm256_set1_epi32(quad(xq[r] + g * G + (q + e) * 4));
+          for (int h = 0; h < 2; ++h)
+            dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(cq[e][h], a), ones));
+        }
       }
     }
     for (int h = 0; h < 2; ++h) {
@@ -70,17 +86,26 @@ void block_avx2(const uint8_t* code, const float* scale, const float* low, int64
 // integers and the float steps the same operations lane by lane: both kernels give the same bits.
 #define VNNI __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni")))
 
-template <int R>
+template <int R, bool NIBBLES>
 VNNI void block_vnni(const uint8_t* code, const float* scale, const float* low, int64_t groups,
                      const int8_t* const* xq, const float* const* xs, const float* const* xl, float* const* y) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* c = code + g * BLOCK;
+    const uint8_t* c = code + g * (NIBBLES ? BLOCK / 2 : BLOCK);
     __m512i dot[R], odd[R];  // two chains of integer sums (exact, so any order): dpbusd's latency overlaps
     for (int r = 0; r < R; ++r) dot[r] = odd[r] = _mm512_setzero_si512();
     for (int q = 0; q < G / 4; q += 2) {
-      const __m512i c0 = _mm512_loadu_si512(c + q * 64), c1 = _mm512_loadu_si512(c + q * 64 + 64);
+      __m512i c0, c1;  // the codes of quads q and q + 1
+      if constexpr (NIBBLES) {
+        const __m512i b = _mm512_loadu_si512(c + q * 32);
+        c0 = _mm512_and_si512(b, nibble);
+        c1 = _mm512_and_si512(_mm512_srli_epi16(b, 4), nibble);
+      } else {
+        c0 = _mm512_loadu_si512(c + q * 64);
+        c1 = _mm512_loadu_si512(c + q * 64 + 64);
+      }
       for (int r = 0; r < R; ++r) {
         dot[r] = _mm512_dpbusd_epi32(dot[r], c0, _mm512_set1_epi32(quad(xq[r] + g * G + q * 4)));
         odd[r] = _mm512_dpbusd_epi32(odd[r], c1, _mm512_set1_epi32(quad(xq[r] + g * G + q * 4 + 4)));
@@ -101,9 +126,13 @@ constexpr int64_t ROWS_IN_CACHE = 64;  // rows whose activations stay in cache w
 
 using BlockFn = void (*)(const uint8_t*, const float*, const float*, int64_t, const int8_t* const*,
                          const float* const*, const float* const*, float* const*);
-// the kernel for R rows at [R - 1]
-constexpr BlockFn AVX2_BLOCK[RB] = {block_avx2<1>, block_avx2<2>, block_avx2<3>, block_avx2<4>};
-constexpr BlockFn VNNI_BLOCK[RB] = {block_vnni<1>, block_vnni<2>, block_vnni<3>, block_vnni<4>};
+// the kernel for R rows at [nibbles][R - 1]
+constexpr BlockFn AVX2_BLOCK[2][RB] = {
+    {block_avx2<1, false>, block_avx2<2, false>, block_avx2<3, false>, block_avx2<4, false>},
+    {block_avx2<1, true>, block_avx2<2, true>, block_avx2<3, true>, block_avx2<4, true>}};
+constexpr BlockFn VNNI_BLOCK[2][RB] = {
+    {block_vnni<1, false>, block_vnni<2, false>, block_vnni<3, false>, block_vnni<4, false>},
+    {block_vnni<1, true>, block_vnni<2, true>, block_vnni<3, true>, block_vnni<4, true>}};
 
 // x rows [M, K] float32 -> xq [M, K] int8, xscale [M, groups], xlow [M, groups] = xscale * the group's sum of xq
 std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, int64_t groups) {
@@ -141,14 +170,17 @@ bool vnni_supported() {
          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
 }
 
-// x [..., K] float32; code [N16 / 16, K / 32, 512] uint8; scale, low [N16 / 16, K / 32, 16] float32; bias [N] or
-// None -> y [..., N] (N <= N16 = N rounded up to 16)
+// x [..., K] float32; code [N16 / 16, K / 32, 512] uint8 (or 256: 4-bit codes); scale, low [N16 / 16, K / 32, 16]
+// float32; bias [N] or None -> y [..., N] (N <= N16 = N rounded up to 16)
 torch::Tensor linear(torch::Tensor x, torch::Tensor code, torch::Tensor scale, torch::Tensor low,
                      c10::optional<torch::Tensor> bias, int64_t N, bool vnni) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && code.dtype() == torch::kUInt8, "float32 x and uint8 codes");
   TORCH_CHECK(code.is_contiguous() && scale.is_contiguous() && low.is_contiguous(), "contiguous weights");
   TORCH_CHECK(!vnni || vnni_supported(), "this CPU has no AVX-512 VNNI");
   const int64_t blocks = code.size(0), groups = code.size(1), K = groups * G, N16 = blocks * LANES;
+  const bool nibbles = code.size(2) == BLOCK / 2;
+  TORCH_CHECK(nibbles || code.size(2) == BLOCK, "a block holds 512 codes or 256 bytes of 4-bit ones");
+  const int64_t block_bytes = groups * code.size(2);
   auto shape = x.sizes().vec();
   TORCH_CHECK(shape.back() == K, "the input's width must be the layer's");
   auto rows = x.reshape({-1, K}).contiguous();
@@ -178,8 +210,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor code, torch::Tensor scale, t
             xl[r] = XL + (r0 + r) * groups;
             out[r] = Y + (r0 + r) * N16 + b * LANES;
           }
-          (vnni ? VNNI_BLOCK : AVX2_BLOCK)[R - 1](C + b * groups * BLOCK, S + b * groups * LANES,
-                                                  L + b * groups * LANES, groups, xq, xs, xl, out);
+          (vnni ? VNNI_BLOCK : AVX2_BLOCK)[nibbles][R - 1](C + b * block_bytes, S + b * groups * LANES,
+                                                           L + b * groups * LANES, groups, xq, xs, xl, out);
         }
       }
     });

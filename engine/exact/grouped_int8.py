@@ -10,7 +10,10 @@ whatever the pass size: greedy speculative output equals the baseline's, with no
 (tests/test_int8_target.py checks 1 to 300 rows). engine.loading.int8_store keeps the result on disk for the next
 start.
 
-What the target then computes is not the float32 model: the weights move by at most half a code step (a group's
+"int4" (GroupedInt4Linear) runs the same arithmetic on 4-bit codes, two a byte: a GGUF's Q4_K and Q4_1 tensors keep
+their own codes, scales and lows (a group of 32 either way), so those Linears compute with exactly the file's weights.
+
+What the int8 target computes is not the float32 model: the weights move by at most half a code step (a group's
 range / 240; a Q4_K group of the GGUF has 16 levels and lands on the codes exactly when it uses both its extremes),
 and each activation by at most half of its group's max / 127. README says how its greedy text compares with float32.
 """
@@ -58,8 +61,9 @@ def kernel():
                 extra_ldflags=["-fopenmp"])
 
 
-def quantize(weight: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """weight [N, K] float -> code [N, K] uint8 (0..LEVELS), scale and low [N, K / GROUP] float32, so that
+def quantize(weight: torch.Tensor, chunk: int = 4096, levels: int = LEVELS
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] float -> code [N, K] uint8 (0..levels), scale and low [N, K / GROUP] float32, so that
     weight ~ scale * code + low per group; `chunk` output rows at a time, to keep the temporaries small."""
     n, k = weight.shape
     code = torch.empty(n, k, dtype=torch.uint8)
@@ -68,9 +72,9 @@ def quantize(weight: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, tor
     for i in range(0, n, chunk):
         groups = weight[i: i + chunk].float().reshape(-1, k // GROUP, GROUP)  # [rows, groups, GROUP]
         lo, hi = groups.amin(-1), groups.amax(-1)
-        step = (hi - lo) / LEVELS
+        step = (hi - lo) / levels
         steps = ((groups - lo[..., None]) / step.clamp_min(torch.finfo(torch.float32).tiny)[..., None])
-        code[i: i + chunk] = steps.round_().clamp_(0, LEVELS).to(torch.uint8).reshape(-1, k)
+        code[i: i + chunk] = steps.round_().clamp_(0, levels).to(torch.uint8).reshape(-1, k)
         scale[i: i + chunk], low[i: i + chunk] = step, lo
     return code, scale, low
 
@@ -92,16 +96,36 @@ def blocked(code: torch.Tensor, scale: torch.Tensor, low: torch.Tensor):
             low.reshape(blocks, LANES, groups).transpose(1, 2).contiguous())
 
 
+def nibbled(code: torch.Tensor) -> torch.Tensor:
+    """blocked's codes [blocks, groups, 512], each 0..15, as the kernel's 4-bit layout [blocks, groups, 256]: the
+    codes of quad q = 2 p in the low nibbles of bytes [p, j, t], those of q = 2 p + 1 in the high ones."""
+    pairs = code.reshape(*code.shape[:2], GROUP // 8, 2, 4 * LANES)  # [b, g, p, quad of the pair, j t]
+    return (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(*code.shape[:2], -1).contiguous()
+
+
+def unnibbled(code: torch.Tensor) -> torch.Tensor:
+    """nibbled's inverse: [blocks, groups, 256] -> [blocks, groups, 512]."""
+    pairs = code.reshape(*code.shape[:2], GROUP // 8, 1, 4 * LANES)
+    return torch.cat([pairs & 0x0F, pairs >> 4], dim=3).reshape(*code.shape[:2], -1)
+
+
 class GroupedInt8Linear(nn.Module):
     """nn.Linear as weight codes 0..LEVELS in groups of GROUP; float32 in, float32 out (see the module docstring)."""
 
-    def __init__(self, linear: nn.Linear):
+    kind, levels = "int8", LEVELS
+
+    def __init__(self, linear: nn.Linear, groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+        """`groups`: code, scale and low [N, K], [N, K / GROUP] x 2 to use instead of quantizing the weight."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         if self.in_features % GROUP:
-            raise ValueError(f"int8 needs Linears whose input width is a multiple of {GROUP}, not {self.in_features}")
-        code, scale, low = blocked(*quantize(linear.weight.detach()))
-        self.register_buffer("code", code)
+            raise ValueError(f"{self.kind} needs Linears whose input width is a multiple of {GROUP}, "
+                             f"not {self.in_features}")
+        code, scale, low = groups if groups is not None else quantize(linear.weight.detach(), levels=self.levels)
+        if int(code.max()) > self.levels:
+            raise ValueError(f"{self.kind} codes lie in 0..{self.levels}")
+        code, scale, low = blocked(code, scale.float(), low.float())
+        self.register_buffer("code", nibbled(code) if self.levels == 15 else code)
         self.register_buffer("scale", scale)
         self.register_buffer("low", low)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
@@ -129,8 +153,9 @@ class GroupedInt8Linear(nn.Module):
 
     def unblocked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """code [N, K], scale and low [N, K / GROUP]: quantize's layout (for tests and error figures)."""
-        blocks, groups, _ = self.code.shape
-        code = self.code.reshape(blocks, groups, GROUP // 4, LANES, 4).permute(0, 3, 1, 2, 4)  # [b, j, g, q, t]
+        blocks, groups, width = self.code.shape
+        code = self.code if width == GROUP * LANES else unnibbled(self.code)
+        code = code.reshape(blocks, groups, GROUP // 4, LANES, 4).permute(0, 3, 1, 2, 4)  # [b, j, g, q, t]
         code = code.reshape(blocks * LANES, groups * GROUP)[: self.out_features]
         scale, low = (t.transpose(1, 2).reshape(blocks * LANES, groups)[: self.out_features]
                       for t in (self.scale, self.low))
@@ -144,3 +169,37 @@ class GroupedInt8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}"
+
+
+class GroupedInt4Linear(GroupedInt8Linear):
+    """The same kernel on 4-bit codes (0..15, two a byte): 0.75 bytes a weight against 1.25. Built from a GGUF Q4_K or
+    Q4_1 tensor's own codes, scales and lows (engine.loading.gguf_dequant.four_bit_groups), it computes with exactly
+    the file's weights: a Q4_K sub-block and a Q4_1 block are each a group of 32 with w = scale * q + low, q in 0..15.
+    `GroupedInt4Linear(linear)` quantizes a float Linear to 16 levels instead (small models in tests)."""
+
+    kind, levels = "int4", 15
+
+    @classmethod
+    def shell(cls, in_features: int, out_features: int, bias: bool) -> GroupedInt4Linear:
+        layer = super().shell(in_features, out_features, bias)
+        with torch.device("meta"):
+            layer.code = torch.empty(*layer.code.shape[:2], GROUP * LANES // 2, dtype=torch.uint8)
+        return layer
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", 4-bit codes"
+
+
+def int4_where_gguf(linear: nn.Linear) -> GroupedInt8Linear:
+    """The int4 target's converter: a Linear whose weight came from a GGUF Q4_K or Q4_1 tensor (the loader leaves that
+    tensor's groups on it as `gguf_q4`) keeps the file's own 4-bit codes; any other (Q6_K, float) gets int8 codes.
+    The groups are used only if they give back the loaded weight bitwise (a loader that reorders rows would not)."""
+    groups = getattr(linear, "gguf_q4", None)
+    if groups is not None:
+        code, scale, low = groups
+        weight = linear.weight.detach()
+        values = code.float().reshape(*scale.shape, GROUP) * scale[..., None] + low[..., None]
+        if torch.equal(values.reshape(weight.shape), weight):
+            return GroupedInt4Linear(linear, groups)
+        log.warning("a 4-bit tensor's groups do not give back its weight (%s): int8 codes instead", tuple(weight.shape))
+    return GroupedInt8Linear(linear)

@@ -31,7 +31,7 @@ from torch import nn
 
 from engine.exact import tree
 from engine.exact.forward import PassLayout
-from engine.exact.grouped_int8 import GroupedInt8Linear
+from engine.exact.grouped_int8 import GROUP, GroupedInt4Linear, GroupedInt8Linear, int4_where_gguf, unavailable
 from engine.exact.precision import HalfLinear, check_precision
 
 log = logging.getLogger(__name__)
@@ -105,11 +105,37 @@ class PackedLinear(nn.Module):
         return y[..., :rows, :]
 
 
+# a draft pass of more rows than this (the prompt) runs on Int4Draft's int8 copy: torch's kernel is faster there
+DRAFT_NARROW_ROWS = 16
+
+
+class Int4Draft(nn.Module):
+    """A draft Linear beside an int4 target: its passes of up to DRAFT_NARROW_ROWS rows (the drafting steps) on the
+    int4 target's kernel (engine.exact.grouped_int8.GroupedInt4Linear: 16 levels per group of 32 from the draft's
+    weights), longer ones on torch's dynamic int8 Linear, which the 4-bit kernel is slower than for many rows. The
+    draft may be approximate (the target verifies every token). Measured against the all-int8 draft with an int4
+    target: a draft step 26 against 35 ms, tok/s 1.06x [1.01, 1.08] (docs/memory.md)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.narrow = GroupedInt4Linear(linear)
+        self.wide = quantize_linear(linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] float32
+        return self.wide(x) if x.numel() > DRAFT_NARROW_ROWS * self.in_features else self.narrow(x)
+
+
+def int4_draft_or_int8(linear: nn.Linear) -> nn.Module:
+    """The int4 target's draft converter: Int4Draft where the kernel takes the layer's width, else int8."""
+    return Int4Draft(linear) if linear.in_features % GROUP == 0 else quantize_linear(linear)
+
+
 def free_rows(model: nn.Module) -> int:
     """The pass size a token tree fills up to (engine.exact.tree): rows that cost (almost) nothing more. A float32 CPU
-    target pads its short passes to its PackedLinears' min_rows anyway. A float16 one (HalfLinear) pads nothing, and
-    each row past the second costs 12-16 % of a plain step (`python -m benchmarks.pass_cost --precision float16`,
-    docs/memory.md): no tree. Nor for int8 (GroupedInt8Linear), whose extra rows cost more still. Any other (a
+    target pads its short passes to its PackedLinears' min_rows anyway. A float16 one (HalfLinear) pads nothing on
+    AVX-512, where each row past the second costs 12-16 % of a plain step (`python -m benchmarks.pass_cost --precision
+    float16`, docs/memory.md): no tree (on AVX2 it pads to 6 rows for exactness; a tree there is not measured). Nor for int8 (GroupedInt8Linear), whose extra rows cost more still. Any other (a
     GPU's): MIN_ROWS."""
     layers = [m for m in model.modules() if isinstance(m, (PackedLinear, HalfLinear, GroupedInt8Linear))]
     if any(isinstance(m, (HalfLinear, GroupedInt8Linear)) for m in layers):
@@ -169,7 +195,8 @@ def linear_converter(role: str, device: torch.device, min_rows: int = MIN_ROWS, 
                      precision: str = "float32"):
     """What prepare_target / prepare_draft turn one float32 Linear into, for loaders that convert layer by layer
     (so that the float32 weights of the whole model never exist at once). `precision` is the target's
-    (engine.exact.precision); ValueError for one that cannot run on `device`."""
+    (engine.exact.precision; a draft's form follows it: Int4Draft beside an int4 target); ValueError for one that
+    cannot run on `device`."""
     cpu = device.type == "cpu"
     if role == "target":
         check_precision(precision, device)
@@ -177,10 +204,13 @@ def linear_converter(role: str, device: torch.device, min_rows: int = MIN_ROWS, 
             return HalfLinear
         if precision == "int8":
             return GroupedInt8Linear
+        if precision == "int4":
+            return int4_where_gguf
     if role == "target" and cpu and torch.backends.mkldnn.is_available():
         return lambda linear: PackedLinear(linear, min_rows)
     if role == "draft" and int8 and cpu:
-        return quantize_linear
+        # beside an int4 target the kernel is compiled anyway: the draft's steps run on it too
+        return int4_draft_or_int8 if precision == "int4" and unavailable() is None else quantize_linear
     return lambda linear: linear.to(device)
 
 
@@ -188,4 +218,7 @@ def finish(model: nn.Module, role: str) -> nn.Module:
     """The rest of prepare_target / prepare_draft for a model whose Linears linear_converter already converted."""
     if role == "target":
         model.config._attn_implementation = "rowwise"
+    head = model.get_output_embeddings()
+    if isinstance(head, Int4Draft):  # the output layer stays torch's int8: FR-Spec prunes its rows (engine.exact.vocab)
+        model.set_output_embeddings(head.wide)
     return model.eval()

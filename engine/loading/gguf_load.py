@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from engine.loading.gguf_dequant import dequantize
+from engine.loading.gguf_dequant import dequantize, four_bit_groups
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +93,11 @@ def _complete(module: nn.Module) -> bool:
 
 def load_gguf_model(
     gguf: Path, meta_dir: Path, convert: Convert, embed_quantized: bool = True,
-    on_progress: Callable[[str, float, float], None] | None = None,
+    on_progress: Callable[[str, float, float], None] | None = None, q4_groups: bool = False,
 ) -> nn.Module:
-    """A transformers causal LM (config from `meta_dir`) with its weights from `gguf`, Linears passed to `convert`."""
+    """A transformers causal LM (config from `meta_dir`) with its weights from `gguf`, Linears passed to `convert`.
+    `q4_groups`: a Linear whose weight is a 4-bit tensor (Q4_K, Q4_1) also carries that tensor's own codes, scales and
+    lows as `gguf_q4` (gguf_dequant.four_bit_groups; None for other types), for the int4 target's converter."""
     from gguf import GGMLQuantizationType
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
@@ -124,10 +126,17 @@ def load_gguf_model(
         raw = file[entry["offset"]: entry["offset"] + entry["nbytes"]]
         return raw.view(np.dtype(entry["dtype"])).reshape(entry["shape"])
 
+    def processed(values: np.ndarray, entry) -> torch.Tensor:  # as transformers reorders it (llama's q and k rows)
+        values = processor.process(weights=values, name=entry["name"], tensor_key_mapping=names,
+                                   parsed_parameters={}).weights
+        return torch.from_numpy(np.ascontiguousarray(values))
+
     def to_float(entry) -> torch.Tensor:
-        weights = processor.process(weights=dequantize(data(entry), entry["type"]), name=entry["name"],
-                                    tensor_key_mapping=names, parsed_parameters={}).weights
-        return torch.from_numpy(np.ascontiguousarray(weights))  # dequantize's own memory: nothing stays mapped
+        return processed(dequantize(data(entry), entry["type"]), entry)  # dequantize's own memory: nothing stays mapped
+
+    def groups_of(entry) -> tuple[torch.Tensor, ...] | None:  # a 4-bit tensor's codes, scales and lows, in row order
+        groups = four_bit_groups(data(entry), entry["type"])
+        return None if groups is None else tuple(processed(t.numpy(), entry) for t in groups)
 
     def kept_quantized(entry) -> bool:
         quantized = entry["type"] not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
@@ -160,6 +169,8 @@ def load_gguf_model(
             if tied and head_name in linears:  # the tied head is the one float32 copy of the matrix
                 finish_linear(head_name, dequantized(entry))
         elif module_name in linears:
+            if q4_groups and attr == "weight":
+                linears[module_name].gguf_q4 = groups_of(entry)
             setattr(linears[module_name], attr, nn.Parameter(dequantized(entry), requires_grad=False))
             finish_linear(module_name)
         else:

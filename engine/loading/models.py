@@ -132,8 +132,9 @@ def _load_gguf(spec: str, role: str, device: torch.device, int8: bool, min_rows:
     try:
         tokenizer = AutoTokenizer.from_pretrained(meta)
         convert = linear_converter(role, device, min_rows, int8, precision)
-        if role == "target" and precision == "int8":  # stored in its running form once, then mapped
-            model = load_or_build(gguf, meta, lambda: load_gguf_model(gguf, meta, convert, on_progress=on_progress))
+        if role == "target" and precision in ("int8", "int4"):  # stored in its running form once, then mapped
+            model = load_or_build(gguf, meta, lambda: load_gguf_model(
+                gguf, meta, convert, on_progress=on_progress, q4_groups=precision == "int4"), precision)
         else:
             model = load_gguf_model(gguf, meta, convert, on_progress=on_progress)
     except Exception as e:  # noqa: BLE001 - a damaged cache: say where and how to fix it

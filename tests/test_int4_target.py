@@ -1,0 +1,171 @@
+"""The int4 target (engine.exact.grouped_int8.GroupedInt4Linear): the int8 kernel on a GGUF's own 4-bit codes. Each
+row of a pass is what a one-row pass gives it, the 4-bit layout holds what the 8-bit one would, the codes are exactly
+the file's, and greedy speculative output equals the baseline's, on a tiny model and on real weights."""
+
+import copy
+import logging
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from engine.exact import grouped_int8
+from engine.exact.grouped_int8 import GROUP, GroupedInt4Linear, GroupedInt8Linear, blocked, int4_where_gguf
+from engine.exact.optimize import convert_linears, finish, free_rows, prepare_draft
+from tests.conftest import CPU, perturbed, skip_or_fail, tiny_llama
+from tests.test_int8_target import ROWS, VNNI, reference
+
+# the greedy identity tests, collected here again with tiny_pair below (which ones, and why: test_int8_target)
+from tests.test_greedy_exact import (  # noqa: F401
+    test_draft_model_fixed_k,
+    test_dynamic_k_and_fallback,
+    test_eos_in_the_middle_of_a_step,
+    test_first_pass_reads_prompt_and_drafts_as_the_baseline_does,
+    test_max_tokens_never_overshoots,
+    test_ngram,
+    test_per_token_draft_stop,
+    test_step_0_drafts,
+    test_stop_string_in_the_middle_of_a_step,
+    test_token_tree_branch_after_accepted_drafts,
+)
+
+if grouped_int8.unavailable():
+    skip_or_fail(f"the int4 target cannot run here: {grouped_int8.unavailable()}", module=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    """conftest's tiny_pair with every Linear of the target in 4-bit codes (a tiny model has no GGUF: its weights are
+    quantized to 16 levels), for test_greedy_exact's tests imported above. The draft perturbs the weights the codes
+    stand for: 16 levels move this small model's choices too far from its float weights' for a draft made from those
+    to be accepted."""
+    weights = tiny_llama(512, seed=1)
+    target = finish(convert_linears(copy.deepcopy(weights), GroupedInt4Linear), "target")
+    for name, layer in target.named_modules():
+        if isinstance(layer, GroupedInt4Linear):
+            weights.get_submodule(name).weight.data = layer.dequantized()
+    assert free_rows(target) == 0
+    return target, prepare_draft(perturbed(weights, 0.3, seed=1), CPU, int8=False)  # a seed that yields every kind
+
+
+@pytest.mark.parametrize("vnni", VNNI)
+@pytest.mark.parametrize("shape", [(64, 96), (96, 40), (896, 4864), (8960, 1536)])  # (in, out)
+def test_every_pass_size_gives_each_row_what_a_single_row_gives(shape, vnni):
+    torch.manual_seed(0)
+    x = torch.randn(1, 300, shape[0]) * torch.rand(1, 300, 1) * 4
+    layer = GroupedInt4Linear(nn.Linear(*shape))
+    layer.vnni = vnni
+    assert layer.code.shape[-1] == 256 and int(layer.unblocked()[0].max()) <= 15
+    long = layer(x)
+    for rows in ROWS:
+        assert torch.equal(layer(x[:, :rows]), long[:, :rows]), f"a {rows}-row pass differs from a 300-row pass"
+    for i in range(0, 300, 23):
+        assert torch.equal(layer(x[:, i: i + 1]), long[:, i: i + 1]), f"row {i} alone differs"
+    assert torch.allclose(long[0].double(), reference(x, layer), rtol=1e-5, atol=1e-5 * long.abs().max().item())
+
+
+@pytest.mark.parametrize("vnni", VNNI)
+def test_four_bit_codes_give_the_bits_of_the_same_weights_in_eight(vnni):
+    """Codes c in 4 bits with scale s compute exactly what codes 8c in the 8-bit layout with scale s/8 do (the
+    integer sums are 8 times larger, the float steps the same up to a power of two): the nibbles are unpacked right."""
+    torch.manual_seed(1)
+    four = GroupedInt4Linear(nn.Linear(1536, 200))
+    eight = GroupedInt8Linear(nn.Linear(1536, 200))
+    code, scale, low = four.unblocked()
+    eight.code, eight.scale, eight.low = blocked(code * 8, scale / 8, low)
+    eight.bias, four.vnni, eight.vnni = four.bias, vnni, vnni
+    x = torch.randn(7, 1536)
+    assert torch.equal(four(x), eight(x))
+    assert torch.equal(four.dequantized(), eight.dequantized())
+
+
+def test_the_converter_keeps_the_files_codes_and_falls_back_to_int8(caplog):
+    torch.manual_seed(2)
+    linear = nn.Linear(64, 48)
+    code = torch.randint(0, 16, (48, 64), dtype=torch.uint8)
+    scale, low = torch.rand(48, 2) / 10, -torch.rand(48, 2)
+    linear.weight.data = (code.float().reshape(48, 2, GROUP) * scale[..., None] + low[..., None]).reshape(48, 64)
+    linear.gguf_q4 = (code, scale, low)
+    layer = int4_where_gguf(linear)
+    assert isinstance(layer, GroupedInt4Linear) and torch.equal(layer.dequantized(), linear.weight.data)
+    assert torch.equal(layer.unblocked()[0], code)
+    linear.gguf_q4 = (code.flip(0), scale.flip(0), low.flip(0))  # rows reordered: not the weight any more
+    with caplog.at_level(logging.WARNING):
+        assert type(int4_where_gguf(linear)) is GroupedInt8Linear
+    assert "do not give back its weight" in caplog.text
+    del linear.gguf_q4
+    assert type(int4_where_gguf(linear)) is GroupedInt8Linear  # a float weight (a Q6_K tensor's): int8
+
+
+def test_an_int4_targets_draft_steps_on_the_kernel_and_reads_prompts_in_int8():
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    from engine.exact.optimize import DRAFT_NARROW_ROWS, Int4Draft, linear_converter
+    from engine.exact.vocab import prune_head
+
+    convert = linear_converter("draft", CPU, int8=True, precision="int4")
+    draft = finish(convert_linears(tiny_llama(512, seed=1), convert), "draft")
+    layers = [m for m in draft.modules() if isinstance(m, Int4Draft)]
+    assert len(layers) == 2 * 7 and type(draft.lm_head) is DynamicLinear  # FR-Spec prunes an int8 head
+    prune_head(draft.lm_head, torch.arange(0, 512, 2))
+    layer, x = layers[0], torch.randn(1, 40, 64)
+    short, long = x[:, :DRAFT_NARROW_ROWS], x
+    assert torch.equal(layer(short), layer.narrow(short)) and torch.equal(layer(long), layer.wide(long))
+    assert type(linear_converter("draft", CPU, int8=True, precision="int8")(nn.Linear(64, 8))) is DynamicLinear
+
+
+@pytest.mark.parametrize("model, qtype", [("smollm2-135m-instruct", 3), ("qwen2.5-coder-1.5b-instruct", 12)])
+def test_four_bit_groups_are_the_files_values_bitwise(model, qtype):
+    """Q4_1 (SmolLM2) and Q4_K (the default target): scale * q + low is what the dequantization gives, bit for bit."""
+    from engine.loading.gguf_dequant import dequantize, four_bit_groups
+    from engine.loading.gguf_load import tensor_index
+    from engine.loading.weights import gguf_model
+
+    gguf, meta = gguf_model(model)
+    entry = next(e for e in tensor_index(gguf, meta)["tensors"] if e["type"] == qtype and e["name"].startswith("blk"))
+    raw = np.memmap(gguf, dtype=np.uint8, mode="r", offset=entry["offset"], shape=(entry["nbytes"],))
+    data = raw.view(np.dtype(entry["dtype"])).reshape(entry["shape"])
+    code, scale, low = four_bit_groups(data, qtype)
+    values = code.float().reshape(*scale.shape, GROUP) * scale[..., None] + low[..., None]
+    assert int(code.max()) <= 15 and torch.equal(values.reshape(code.shape), torch.from_numpy(dequantize(data, qtype)))
+    assert four_bit_groups(data, 14) is None  # Q6_K: not 4-bit groups
+
+
+def test_an_int4_gguf_target_is_stored_mapped_and_greedy_exact(tmp_path, monkeypatch):
+    """SmolLM2's GGUF (Q4_1 Linears, a Q8_0 embedding that is also its head) as an int4 target: the Linears keep the
+    file's codes (int4), the head gets int8 codes; the stored form maps back with the same logits; and the local
+    engine's greedy speculative output equals its baseline's on real weights, drafting with the model itself (its
+    Linears on the int4 kernel) and with n-grams."""
+    from engine.exact.backend import LocalBackend
+    from engine.exact.forward import forward, new_cache
+    from engine.loading import int8_store
+    from engine.loading.models import load
+    from engine.exact.optimize import Int4Draft
+    from engine.metrics import compare
+    from engine.presets import custom_preset
+    from engine.request import Request
+    from tests.test_real_weights import PROMPTS, run
+
+    monkeypatch.setattr(int8_store, "cache_dir", lambda: tmp_path)
+    built = load("smollm2-135m-instruct", "target", CPU, precision="int4")
+    layers = [m for m in built.model.modules() if isinstance(m, GroupedInt8Linear)]
+    assert len([m for m in layers if isinstance(m, GroupedInt4Linear)]) == len(layers) - 1 == 30 * 7
+    assert type(built.model.lm_head) is GroupedInt8Linear and built.name.endswith("(int4)")
+    [stored] = (tmp_path / "int4").glob("*.pt")
+    mapped = load("smollm2-135m-instruct", "target", CPU, precision="int4")
+    assert isinstance(mapped.model.model.layers[0].mlp.down_proj, GroupedInt4Linear)
+    ids = list(range(100, 140))
+    assert torch.equal(forward(mapped.model, ids, new_cache(mapped.model), keep=5),
+                       forward(built.model, ids, new_cache(built.model), keep=5))
+    assert stored.stat().st_size < built.nbytes * 1.1
+
+    # SmolLM2 drafting for itself: the draft's Linears on the int4 kernel (engine.exact.optimize.Int4Draft)
+    backend = LocalBackend.from_preset(custom_preset("smollm2-ngram", None, "smollm2-135m-instruct"), precision="int4")
+    assert [m for m in backend.draft.model.modules() if isinstance(m, Int4Draft)]
+    for prompt, method in zip(PROMPTS[:2], ("draft", "ngram")):
+        req = Request(prompt=prompt, max_new_tokens=40, method=method, k=4, dynamic_k=True)
+        b, s = run(backend, req, "baseline"), run(backend, req, "speculative")
+        c = compare(b, s, greedy=True)
+        assert c["identical"], f"first divergence at token {c['first_divergence']}"
+        assert s.metrics["accepted"] > 0
