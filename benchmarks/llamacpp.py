@@ -3,6 +3,7 @@
     python -m benchmarks.llamacpp                       24 HumanEval + 16 MT-Bench prompts, llama.cpp only
     python -m benchmarks.llamacpp --ours                the same, plus our local engine's baseline and speculative
     python -m benchmarks.llamacpp --humaneval-prompts 4 --mtbench-prompts 4 --repeats 1 --ours   quick check
+    python -m benchmarks.llamacpp --ours --precision int4 --fallback   our int4 target, speculation off while it loses
     python -m benchmarks.llamacpp --preset smollm2-ngram --spec ngram-simple:k=4:n=2,ngram-mod:k=4   no draft model
 
 On the preset's GGUF files (the same files `launch.py --backend llamacpp` loads): a llama.cpp engine without
@@ -172,6 +173,8 @@ def main(argv=None) -> int:
                         "that wait for each other make llama.cpp's plain decoding collapse")
     p.add_argument("--ours", action="store_true", help="also run our local engine's baseline and speculative")
     p.add_argument("--precision", default="float32", choices=PRECISIONS, help="our target's weights (--ours)")
+    p.add_argument("--fallback", action="store_true",
+                   help="our speculative engine switches speculation off while it does not pay (--ours; docs/policy.md)")
     args = p.parse_args(argv)
 
     preset = PRESETS[args.preset]
@@ -197,7 +200,7 @@ def main(argv=None) -> int:
 
             torch.set_num_threads(args.threads)  # the same cores as each llama.cpp engine
             backends["ours"] = LocalBackend.from_preset(args.preset, precision=args.precision)
-            ours_req = {"method": preset.method}
+            ours_req = {"method": preset.method, "fallback": args.fallback}
             warm = Request(prompt="Hello", max_new_tokens=8, **ours_req)
             for engine in ("baseline", "speculative"):  # first calls pay one-off costs
                 run_engine(backends["ours"], engine, warm)
@@ -240,7 +243,8 @@ def main(argv=None) -> int:
     out.write(llamacpp_table(rows, spec_engines, labels) + "\n\n")
     if args.ours:
         out.write(f"Our local engine on the same prompts in the same repeats (preset {args.preset}, method "
-                  f"{preset.method}, target weights {args.precision}, the page's default settings):\n\n" + ours_table(rows) + "\n\n")
+                  f"{preset.method}, target weights {args.precision}, the page's default settings"
+                  f"{', fallback on' if args.fallback else ''}):\n\n" + ours_table(rows) + "\n\n")
         o = [p["ours"] for p in prompts]
         out.write(f"From this one run, over all {len(prompts)} prompts: ours speculative / llama.cpp plain "
                   f"{with_ci([f['spec_vs_plain'] for f in o], '{:.2f}')}; ours baseline / llama.cpp plain "
