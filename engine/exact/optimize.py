@@ -32,7 +32,7 @@ from torch import nn
 from engine.exact import tree
 from engine.exact.forward import PassLayout
 from engine.exact.grouped_int8 import GROUP, GroupedInt4Linear, GroupedInt8Linear, int4_where_gguf, unavailable
-from engine.exact.precision import HalfLinear, check_precision
+from engine.exact.precision import HalfLinear, check_precision, pad_rows
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +98,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, rows, in]
         rows = x.shape[-2]
-        if rows < self.min_rows:  # padded with copies of the last row; each row's result depends on it alone
-            pad = x[..., -1:, :].expand(*x.shape[:-2], self.min_rows - rows, x.shape[-1])
-            x = torch.cat([x, pad], dim=-2)
+        x = pad_rows(x, self.min_rows)
         y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return y[..., :rows, :]
 

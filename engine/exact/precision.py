@@ -7,8 +7,9 @@ float32, each output row from its own input row in one order. Not whatever the n
 AVX2 CPU without AVX-512 (AMD Zen 3) fbgemm computes the last 1 or 2 rows of a block of 6 with another kernel, whose
 bits differ. HalfLinear pads each pass to the row multiple that a probe at first use finds exact on this CPU (1 on
 AVX-512, 6 on AVX2: `row_multiple`). So, like the float32 PackedLinear, every pass size gives each row the same bits
-(tests/test_precision.py: 1 to 300 rows), and greedy speculative output equals the baseline's. The weights are the float32 ones rounded to
-float16 (relative error at most 2^-11), so the text may part from a float32 target's after some tokens.
+(tests/test_precision.py: 1 to 300 rows), and greedy speculative output equals the baseline's. The weights are the
+float32 ones rounded to float16 (relative error at most 2^-11), so the text may part from a float32 target's after
+some tokens.
 
 "int8" (engine.exact.grouped_int8) goes further with a kernel of our own: weight codes 0..120 in groups of 32 and
 activations quantized per row and group, like llama.cpp. "int4" runs the same kernel on a GGUF's 4-bit tensors
@@ -50,6 +51,15 @@ def check_precision(precision: str, device: torch.device) -> None:
             raise ValueError(f"the {precision} target precision cannot run here: {why}; use float32 or float16")
 
 
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [..., r, in] with copies of its last row up to `rows` rows (none where r >= rows): each row's result depends
+    on it alone, so the padding changes no real row's bits and the caller drops the extra rows."""
+    extra = rows - x.shape[-2]
+    if extra <= 0:
+        return x
+    return torch.cat([x, x[..., -1:, :].expand(*x.shape[:-2], extra, x.shape[-1])], dim=-2)
+
+
 ROW_MULTIPLES = (1, 6)  # fbgemm's fp16 kernels take blocks of 6 rows on AVX2 and of 14 on AVX-512
 
 
@@ -84,9 +94,7 @@ class HalfLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., rows, in]
         rows = x.shape[-2]
-        pad = -rows % self.multiple
-        if pad:  # copies of the last row; each row's result depends on it alone
-            x = torch.cat([x, x[..., -1:, :].expand(*x.shape[:-2], pad, x.shape[-1])], dim=-2)
+        x = pad_rows(x, rows + -rows % self.multiple)
         return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)[..., :rows, :]
 
     def extra_repr(self) -> str:
