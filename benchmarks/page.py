@@ -143,10 +143,31 @@ def _latest_run(db: Path) -> dict:
         if row is not None and row["status"] != "running" or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    conn.close()
     machine = json.loads(row["comparison"] or "{}")
+    steps = {engine: conn.execute("SELECT step, drafted, emitted, draft_ms, verify_ms FROM steps WHERE run_id = ? "
+                                  "AND engine = ? ORDER BY step", (row["id"], engine)).fetchall()
+             for engine in ("baseline", "speculative")}
+    conn.close()
     return {"baseline_tps": row["baseline_tps"], "speculative_tps": row["speculative_tps"], "status": row["status"],
-            "noisy": row["noisy"], **_disturbance(machine)}
+            "noisy": row["noisy"], **_disturbance(machine), **_pass_costs(steps)}
+
+
+def _pass_costs(steps: dict) -> dict:
+    """What the engines' passes cost in one run, to tell slower passes from other decisions: per engine the median
+    target pass (verify_ms; the prefill step 0 left out), the speculative engine's draft ms per drafted token and its
+    tokens per target pass. `steps`: engine -> (step, drafted, emitted, draft_ms, verify_ms) rows."""
+    out = {}
+    for engine, rows in steps.items():
+        rows = [r for r in rows if r[0] > 0]
+        if rows:
+            out[f"{engine}_pass_ms"] = statistics.median(r[4] for r in rows)
+    spec = [r for r in steps.get("speculative", []) if r[0] > 0]
+    drafted = sum(r[1] for r in spec if r[3] > 0)  # n-gram drafts cost no draft time
+    if drafted:
+        out["draft_ms_per_token"] = sum(r[3] for r in spec) / drafted
+    if spec:
+        out["tokens_per_pass"] = sum(r[2] for r in spec) / len(spec)
+    return out
 
 
 def _disturbance(machine: dict) -> dict:
@@ -214,9 +235,11 @@ def api_session(args):
             while not comp.poll(0.2):
                 pass
             r = comp.results
+            steps = {e: [(s.step, s.drafted, s.emitted, s.draft_ms, s.verify_ms) for s in r[e].steps]
+                     for e in ("baseline", "speculative")}
             return {"baseline_tps": r["baseline"].metrics["tokens_per_s"],
                     "speculative_tps": r["speculative"].metrics["tokens_per_s"], "noisy": comp.machine.get("noisy"),
-                    **_disturbance(comp.machine)}
+                    **_disturbance(comp.machine), **_pass_costs(steps)}
 
         yield run
     finally:
@@ -283,6 +306,14 @@ def main(argv=None) -> int:
                       ("speedup", "speedup (per run)")):
         a, b = med(page, key), med(api, key)
         out.write(f"| {name} | {a:.2f} | {b:.2f} | {a / b:.2f} |\n")
+    # slower passes in the page, or other decisions (K, drafts) in the speculative engine?
+    for key, name in (("baseline_pass_ms", "baseline: ms per target pass (median per run)"),
+                      ("speculative_pass_ms", "speculative: ms per verify pass"),
+                      ("draft_ms_per_token", "speculative: draft ms per drafted token"),
+                      ("tokens_per_pass", "speculative: tokens per verify pass")):
+        if all(key in r for r in page + api):
+            a, b = med(page, key), med(api, key)
+            out.write(f"| {name} | {a:.1f} | {b:.1f} | {a / b:.2f} |\n")
     out.write(f"| runs marked noisy | {sum(bool(r['noisy']) for r in page)}/{len(page)} | "
               f"{sum(bool(r['noisy']) for r in api)}/{len(api)} | |\n")
     out.write("browser cores per run: " + ", ".join(f"{r['browser_cores']:.3f}" for r in page) + "\n")
