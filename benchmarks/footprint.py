@@ -126,7 +126,9 @@ def console_start(preset: str, cache: Path, code: Path, precision: str) -> float
     return ready
 
 
-STORED = {"int8": "int8 (the int8 target's stored form)", "int4": "int4 (the int4 target's stored form)"}
+STORED = {"int8": "int8 (the int8 target's stored form)", "int4": "int4 (the int4 target's stored form)",
+          "draft-int8": "draft-int8 (the int8 draft's stored form)",
+          "draft-int4": "draft-int4 (the draft's stored form beside an int4 target)"}
 
 
 def preset_files(preset: str, cache: Path) -> dict[str, int]:

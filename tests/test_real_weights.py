@@ -183,3 +183,45 @@ def test_pruned_int8_head_gives_the_full_heads_logits(smol_self_draft):
     ids = smol_self_draft.prompt_ids(Request(prompt=PROMPTS[0]))
     full = forward(draft, ids, new_cache(draft), keep=2)
     assert torch.equal(forward(draft, ids, new_cache(draft), keep=2, head=head), full[:, head.ids])
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_the_draft_is_stored_in_its_running_form_and_mapped_next_time(tmp_path, monkeypatch, precision):
+    """Beside a stored target, the int8 draft (beside an int4 target: Int4Draft, the int4 kernel's codes and torch's
+    int8 copy) is stored once; the next load reads nothing from the GGUF's Linears and gives the same logits bit for
+    bit, for a drafting step (3 rows: the int4 kernel) and for a prompt (40 rows: torch's int8 copy); a damaged file
+    is built again. Beside a float32 target nothing is stored (it did not shorten the start)."""
+    from engine.exact import grouped_int8
+    from engine.exact.forward import forward, new_cache
+    from engine.exact.optimize import Int4Draft
+    from engine.loading import gguf_load, int8_store
+    from tests.conftest import skip_or_fail
+
+    if precision == "int4" and grouped_int8.unavailable():
+        skip_or_fail(f"the int4 kernel cannot run here: {grouped_int8.unavailable()}")
+
+    def logits(loaded):
+        ids = list(range(100, 140))
+        return [forward(loaded.model, ids[:rows], new_cache(loaded.model), keep=rows) for rows in (3, 40)]
+
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip(logits(a), logits(b)))
+
+    monkeypatch.setattr(int8_store, "cache_dir", lambda: tmp_path)
+    load("smollm2-135m-instruct", "draft", CPU, int8=True, precision="float32")
+    assert not list(tmp_path.iterdir())
+    built = load("smollm2-135m-instruct", "draft", CPU, int8=True, precision=precision)
+    [stored] = (tmp_path / ("draft-int4" if precision == "int4" else "draft-int8")).glob("*.pt")
+    build_for_real = gguf_load.load_gguf_model
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a stored draft was built from the GGUF again")
+
+    monkeypatch.setattr(gguf_load, "load_gguf_model", refuse)
+    mapped = load("smollm2-135m-instruct", "draft", CPU, int8=True, precision=precision)
+    assert bool([m for m in mapped.model.modules() if isinstance(m, Int4Draft)]) == (precision == "int4")
+    assert same(mapped, built) and mapped.nbytes == built.nbytes
+    monkeypatch.setattr(gguf_load, "load_gguf_model", build_for_real)
+    stored.write_bytes(b"half a file")
+    rebuilt = load("smollm2-135m-instruct", "draft", CPU, int8=True, precision=precision)
+    assert same(rebuilt, built) and stored.stat().st_size > 10**6

@@ -120,6 +120,16 @@ class Int4Draft(nn.Module):
         self.narrow = GroupedInt4Linear(linear)
         self.wide = quantize_linear(linear)
 
+    @classmethod
+    def shell(cls, in_features: int, out_features: int, bias: bool) -> Int4Draft:
+        """An Int4Draft to be filled by load_state_dict(..., assign=True) (engine.loading.int8_store)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = in_features, out_features
+        layer.narrow = GroupedInt4Linear.shell(in_features, out_features, bias)
+        layer.wide = dynamic_int8_shell(in_features, out_features, bias)
+        return layer
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] float32
         return self.wide(x) if x.numel() > DRAFT_NARROW_ROWS * self.in_features else self.narrow(x)
 
@@ -180,12 +190,19 @@ def quantize_linear(linear: nn.Linear) -> nn.Module:
 def int8_linear(qweight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
     """A dynamic int8 Linear over a quantized weight [out, in], packed once (torch's constructor would first pack a
     blank weight of the full size)."""
+    layer = dynamic_int8_shell(qweight.shape[1], qweight.shape[0], bias is not None)
+    layer.set_weight_bias(qweight, bias)  # the real weight, packed once
+    return layer
+
+
+def dynamic_int8_shell(in_features: int, out_features: int, bias: bool) -> nn.Module:
+    """A dynamic int8 Linear of that shape whose weight is still a 1x1 placeholder: set_weight_bias, or
+    load_state_dict (engine.loading.int8_store), packs the real one."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
-    layer = DynamicLinear(1, 1, dtype=torch.qint8)  # a 1x1 placeholder; the real weight is packed once below
-    layer.out_features, layer.in_features = qweight.shape
-    layer.set_weight_bias(qweight, bias)
-    layer.has_bias = bias is not None  # for sizes: asking the packed weight unpacks it (slow)
+    layer = DynamicLinear(1, 1, dtype=torch.qint8)
+    layer.out_features, layer.in_features = out_features, in_features
+    layer.has_bias = bias  # for sizes: asking the packed weight unpacks it (slow)
     return layer
 
 

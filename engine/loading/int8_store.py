@@ -1,16 +1,24 @@
-"""The int8 (or int4) target kept on disk in the form it runs in, and mapped at start instead of computed.
+"""The int8 (or int4) target, and the int8 draft, kept on disk in the form they run in, and mapped at start.
 
 Loading a GGUF as an int8 target dequantizes and quantizes every Linear (engine.exact.grouped_int8): about 10 s of
 a start for the 1.5B target. The first such load saves the model's tensors (the Linears' codes, scales and lows,
-the norms, the embedding's GGUF rows) to <cache>/<precision>/<gguf name>-<size>-v<FORMAT>.pt; later loads build the
+the norms, the embedding's GGUF rows) to <cache>/<form>/<gguf name>-<size>-v<FORMAT>.pt; later loads build the
 model empty and map that file (torch.load(mmap=True)): nothing is computed, and the pages are read when passes first
 need them. A file that does not load is rebuilt. An int4 target's file also lists its Linears with 4-bit codes.
+
+Beside such a target the draft's load is the longest part of a start, so the draft is stored too (form
+"draft-int8" beside an int8 target, "draft-int4" beside an int4 one), its file listing each Linear's form: torch's
+dynamic int8 Linear (its int8 weight is stored; fbgemm packs it again at load, most of what is left of the draft's
+load) or engine.exact.optimize.Int4Draft (the int4 kernel's codes and that int8 copy). That saves the dequantizing
+and quantizing (14 s of the default draft's 25 s load on the 2-core Intel Xeon). Beside a float32 target nothing is
+stored: the target's packing is the longer load there, and storing the draft did not shorten the start.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +26,7 @@ import torch
 from torch import nn
 
 from engine.exact.grouped_int8 import GroupedInt4Linear, GroupedInt8Linear
+from engine.exact.optimize import Int4Draft, dynamic_int8_shell
 from engine.loading.gguf_load import GGUFEmbedding, _parent, _rebuild_meta_buffers, empty_model, meta_tensors
 from engine.loading.weights import cache_dir
 
@@ -31,20 +40,21 @@ def store_path(gguf: Path, precision: str = "int8") -> Path:
 
 
 def load_or_build(gguf: Path, meta_dir: Path, build: Callable[[], nn.Module], precision: str = "int8") -> nn.Module:
-    """The int8 (or int4) target of `gguf`: mapped from its stored form, or built by `build` (the GGUF loader with
-    the precision's converter) and stored for the next start."""
+    """The int8 (or int4) target of `gguf` (`precision` "draft-int8" or "draft-int4": the draft): mapped from its stored
+    form, or built by `build` (the GGUF loader with the precision's converter) and stored for the next start."""
     path = store_path(gguf, precision)
+    role = "draft" if precision.startswith("draft") else "target"
     if path.exists():
         try:
-            return load_stored(path, meta_dir)
+            return load_stored(path, meta_dir, mmap=role == "target")
         except Exception as e:  # noqa: BLE001 - a damaged or foreign file: build it again
-            log.warning("the stored int8 form %s does not load (%s): building it again", path, e)
+            log.warning("the stored %s form %s does not load (%s): building it again", role, path, e)
             path.unlink(missing_ok=True)
     model = build()
     try:
         save(model, path)
     except OSError as e:  # a full or read-only cache: this start still runs, the next builds again
-        log.warning("could not store the int8 target in %s (%s): the next start quantizes it again", path, e)
+        log.warning("could not store the %s in %s (%s): the next start quantizes it again", role, path, e)
     return model
 
 
@@ -52,27 +62,35 @@ def save(model: nn.Module, path: Path) -> None:
     embeddings = {name: {"qtype": int(m.qtype), "dim": m.embedding_dim}
                   for name, m in model.named_modules() if isinstance(m, GGUFEmbedding)}
     int4 = [name for name, m in model.named_modules() if isinstance(m, GroupedInt4Linear)]
+    draft = {name: _DRAFT_FORMS[type(m)] for name, m in model.named_modules() if type(m) in _DRAFT_FORMS}
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # a stopped save leaves no file that looks whole
-    log.info("storing the target's running form in %s (read at the next start instead of computed)", path)
+    # a stopped save leaves no file that looks whole; two loads at once (two backends in one process) each write their own
+    partial = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.partial")
+    log.info("storing the running form in %s (read at the next start instead of computed)", path)
     try:
-        torch.save({"state": model.state_dict(), "embeddings": embeddings, "int4": int4}, partial)
+        torch.save({"state": model.state_dict(), "embeddings": embeddings, "int4": int4, "draft": draft}, partial)
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
 
 
-def load_stored(path: Path, meta_dir: Path) -> nn.Module:
+def load_stored(path: Path, meta_dir: Path, mmap: bool = True) -> nn.Module:
+    """`mmap`: False for a draft. fbgemm packs its int8 weights into memory of its own; mapped, the file's pages that
+    the packing read would stay resident beside that copy (0.36 GiB more RSS for the default draft, measured)."""
     from gguf import GGMLQuantizationType
 
-    stored = torch.load(path, mmap=True, weights_only=True)
-    state, int4 = stored["state"], set(stored.get("int4", ()))
+    stored = torch.load(path, mmap=mmap, weights_only=True)
+    state, int4, draft = stored["state"], set(stored.get("int4", ())), stored.get("draft", {})
     model = empty_model(meta_dir)
     for name, module in list(model.named_modules()):
         parent, attr = _parent(model, name) if name else (None, "")
         if isinstance(module, nn.Linear):
-            form = GroupedInt4Linear if name in int4 else GroupedInt8Linear
-            setattr(parent, attr, form.shell(module.in_features, module.out_features, module.bias is not None))
+            shape = module.in_features, module.out_features, module.bias is not None
+            if name in draft:
+                form = {"dynamic-int8": dynamic_int8_shell, "int4-draft": Int4Draft.shell}[draft[name]]
+            else:
+                form = (GroupedInt4Linear if name in int4 else GroupedInt8Linear).shell
+            setattr(parent, attr, form(*shape))
         elif name in stored["embeddings"]:
             info = stored["embeddings"][name]  # its rows stay mapped from the file
             embedding = GGUFEmbedding(state[f"{name}.raw"], GGMLQuantizationType(info["qtype"]), info["dim"])
@@ -82,5 +100,14 @@ def load_stored(path: Path, meta_dir: Path) -> nn.Module:
     missing = meta_tensors(model)
     if missing:
         raise ValueError(f"{path.name} lacks {missing[:5]}")
-    log.info("target mapped from %s", path)
+    log.info("%s mapped from %s", "draft" if draft else "target", path)
     return model.eval()
+
+
+def _draft_forms() -> dict[type, str]:
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    return {DynamicLinear: "dynamic-int8", Int4Draft: "int4-draft"}
+
+
+_DRAFT_FORMS = _draft_forms()  # a draft's Linear types -> their names in the stored file

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from engine.exact.optimize import MIN_ROWS, finish, linear_converter, prepare_draft, prepare_target
+from engine.exact.optimize import (MIN_ROWS, finish, int4_draft_or_int8, linear_converter, prepare_draft,
+                                   prepare_target)
 from engine.exact.precision import HalfLinear, check_precision
 from engine.loading.weights import SOURCES, Progress, WeightsError, cache_dir, dequantize_gguf, dequantized_dir, gguf_model
 
@@ -135,6 +136,12 @@ def _load_gguf(spec: str, role: str, device: torch.device, int8: bool, min_rows:
         if role == "target" and precision in ("int8", "int4"):  # stored in its running form once, then mapped
             model = load_or_build(gguf, meta, lambda: load_gguf_model(
                 gguf, meta, convert, on_progress=on_progress, q4_groups=precision == "int4"), precision)
+        elif role == "draft" and int8 and device.type == "cpu" and precision in ("int8", "int4"):
+            # beside a mapped target the draft's load is the start's longest; beside float32 the target's packing
+            # is, and storing the draft did not shorten the start (docs/memory.md, 2026-12-03)
+            form = "draft-int4" if convert is int4_draft_or_int8 else "draft-int8"
+            model = load_or_build(gguf, meta, lambda: finish(
+                load_gguf_model(gguf, meta, convert, on_progress=on_progress), role), form)
         else:
             model = load_gguf_model(gguf, meta, convert, on_progress=on_progress)
     except Exception as e:  # noqa: BLE001 - a damaged cache: say where and how to fix it

@@ -58,6 +58,8 @@ from engine.vllm.steps import ChunkGuess, Steps, classify, kinds, ngram_drafts, 
 
 log = logging.getLogger(__name__)
 
+# the warm-up is where one-off compiles happen (tens of seconds each on a busy CPU): it waits this long for a byte
+WARM_UP_STALL_S = 300.0
 WARM_UP_PROMPT = 'Repeat exactly: "alpha beta gamma delta epsilon", "alpha beta gamma delta epsilon"'
 CANCEL_POLL_S = 0.1  # how often a throughput burst looks at Stop while it waits for the answers
 
@@ -230,7 +232,7 @@ class VLLMBackend:
         def warm(engine: str) -> None:
             for temperature in (0.0, 0.8):
                 req = Request(prompt=WARM_UP_PROMPT, max_new_tokens=24, sampling=SamplingParams(temperature, 0, 1.0, 0))
-                result = list(self._stream(engine, req, None, time.perf_counter))[-1]
+                result = list(self._stream(engine, req, None, time.perf_counter, WARM_UP_STALL_S))[-1]
                 if result.error:
                     raise VLLMError(f"warming up: {result.error}")
             if engine == "baseline":
@@ -347,7 +349,7 @@ class VLLMBackend:
             return None
         return parse_metrics(resp.text)
 
-    def _stream(self, engine: str, req, cancel, clock) -> Iterator[Event]:
+    def _stream(self, engine: str, req, cancel, clock, stall_timeout: float | None = None) -> Iterator[Event]:
         req.validate()
         config = self._config(engine)
         method = config.get("method", "vllm") if engine != "baseline" else "none"
@@ -365,7 +367,7 @@ class VLLMBackend:
                 t0 = clock()  # the baseline makes no such call: start both clocks at the request
             try:
                 for chunk in stream_chunks(endpoint(self.urls[engine], path), body, self.headers,
-                                           self.stall_timeout, cancel):
+                                           stall_timeout or self.stall_timeout, cancel):
                     prompt_ids = prompt_ids or chunk.prompt_ids
                     if guess and prompt_ids and guess.drafts is None and _replays_ngram(config):
                         guess.drafts = ngram_drafts(prompt_ids, config, self.max_model_len)
