@@ -1,4 +1,4 @@
-"""The int8 (or int4) target, and the int8 draft, kept on disk in the form they run in, and mapped at start.
+"""The int8 (or int4) target, and the draft beside it, kept on disk in the form they run in and read back at start.
 
 Loading a GGUF as an int8 target dequantizes and quantizes every Linear (engine.exact.grouped_int8): about 10 s of
 a start for the 1.5B target. The first such load saves the model's tensors (the Linears' codes, scales and lows,
@@ -75,8 +75,10 @@ def save(model: nn.Module, path: Path) -> None:
 
 
 def load_stored(path: Path, meta_dir: Path, mmap: bool = True) -> nn.Module:
-    """`mmap`: False for a draft. fbgemm packs its int8 weights into memory of its own; mapped, the file's pages that
-    the packing read would stay resident beside that copy (0.36 GiB more RSS for the default draft, measured)."""
+    """The model stored at `path`: built empty from `meta_dir`'s config, its Linears as the file lists them, then
+    filled from the file. `mmap`: False for a draft. fbgemm packs its int8 weights into memory of its own; mapped,
+    the file's pages that the packing read would stay resident beside that copy (0.36 GiB more RSS for the default
+    draft, measured 2026-12-03)."""
     from gguf import GGMLQuantizationType
 
     stored = torch.load(path, mmap=mmap, weights_only=True)
@@ -92,7 +94,7 @@ def load_stored(path: Path, meta_dir: Path, mmap: bool = True) -> nn.Module:
                 form = (GroupedInt4Linear if name in int4 else GroupedInt8Linear).shell
             setattr(parent, attr, form(*shape))
         elif name in stored["embeddings"]:
-            info = stored["embeddings"][name]  # its rows stay mapped from the file
+            info = stored["embeddings"][name]  # its rows stay in the file's tensor (mapped, for a target)
             embedding = GGUFEmbedding(state[f"{name}.raw"], GGMLQuantizationType(info["qtype"]), info["dim"])
             setattr(parent, attr, embedding)
     model.load_state_dict(state, strict=True, assign=True)
@@ -100,7 +102,7 @@ def load_stored(path: Path, meta_dir: Path, mmap: bool = True) -> nn.Module:
     missing = meta_tensors(model)
     if missing:
         raise ValueError(f"{path.name} lacks {missing[:5]}")
-    log.info("%s mapped from %s", "draft" if draft else "target", path)
+    log.info("%s %s from %s", "draft" if draft else "target", "mapped" if mmap else "read", path)
     return model.eval()
 
 
