@@ -186,7 +186,7 @@ def test_pruned_int8_head_gives_the_full_heads_logits(smol_self_draft):
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
-def test_the_draft_is_stored_in_its_running_form_and_mapped_next_time(tmp_path, monkeypatch, precision):
+def test_the_draft_is_stored_in_its_running_form_and_read_next_time(tmp_path, monkeypatch, precision):
     """Beside a stored target, the int8 draft (beside an int4 target: Int4Draft, the int4 kernel's codes and torch's
     int8 copy) is stored once; the next load reads nothing from the GGUF's Linears and gives the same logits bit for
     bit, for a drafting step (3 rows: the int4 kernel) and for a prompt (40 rows: torch's int8 copy); a damaged file
@@ -218,9 +218,9 @@ def test_the_draft_is_stored_in_its_running_form_and_mapped_next_time(tmp_path, 
         raise AssertionError("a stored draft was built from the GGUF again")
 
     monkeypatch.setattr(gguf_load, "load_gguf_model", refuse)
-    mapped = load("smollm2-135m-instruct", "draft", CPU, int8=True, precision=precision)
-    assert bool([m for m in mapped.model.modules() if isinstance(m, Int4Draft)]) == (precision == "int4")
-    assert same(mapped, built) and mapped.nbytes == built.nbytes
+    read = load("smollm2-135m-instruct", "draft", CPU, int8=True, precision=precision)
+    assert bool([m for m in read.model.modules() if isinstance(m, Int4Draft)]) == (precision == "int4")
+    assert same(read, built) and read.nbytes == built.nbytes
     monkeypatch.setattr(gguf_load, "load_gguf_model", build_for_real)
     stored.write_bytes(b"half a file")
     rebuilt = load("smollm2-135m-instruct", "draft", CPU, int8=True, precision=precision)

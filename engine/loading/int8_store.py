@@ -64,7 +64,7 @@ def save(model: nn.Module, path: Path) -> None:
     int4 = [name for name, m in model.named_modules() if isinstance(m, GroupedInt4Linear)]
     draft = {name: _DRAFT_FORMS[type(m)] for name, m in model.named_modules() if type(m) in _DRAFT_FORMS}
     path.parent.mkdir(parents=True, exist_ok=True)
-    # a stopped save leaves no file that looks whole; two loads at once (two backends in one process) each write their own
+    # a stopped save leaves no file that looks whole; two loads at once (two backends in one process) write two
     partial = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.partial")
     log.info("storing the running form in %s (read at the next start instead of computed)", path)
     try:
