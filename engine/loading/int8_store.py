@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
 from engine.exact.grouped_int8 import GroupedInt4Linear, GroupedInt8Linear
 from engine.exact.optimize import Int4Draft, dynamic_int8_shell
@@ -31,6 +32,9 @@ from engine.loading.gguf_load import GGUFEmbedding, _parent, _rebuild_meta_buffe
 from engine.loading.weights import cache_dir
 
 log = logging.getLogger(__name__)
+
+# a draft's Linear forms by their names in the stored file: (the type, an empty one of a shape for load_state_dict)
+DRAFT_FORMS = {"dynamic-int8": (DynamicLinear, dynamic_int8_shell), "int4-draft": (Int4Draft, Int4Draft.shell)}
 
 FORMAT = 1  # bump when grouped_int8's layout or quantization changes: older files are then not read
 
@@ -40,8 +44,8 @@ def store_path(gguf: Path, precision: str = "int8") -> Path:
 
 
 def load_or_build(gguf: Path, meta_dir: Path, build: Callable[[], nn.Module], precision: str = "int8") -> nn.Module:
-    """The int8 (or int4) target of `gguf` (`precision` "draft-int8" or "draft-int4": the draft): mapped from its stored
-    form, or built by `build` (the GGUF loader with the precision's converter) and stored for the next start."""
+    """The int8 (or int4) target of `gguf` (`precision` "draft-int8" or "draft-int4": the draft): mapped (the draft:
+    read) from its stored form, or built by `build` (the GGUF loader with the precision's converter) and stored."""
     path = store_path(gguf, precision)
     role = "draft" if precision.startswith("draft") else "target"
     if path.exists():
@@ -62,7 +66,8 @@ def save(model: nn.Module, path: Path) -> None:
     embeddings = {name: {"qtype": int(m.qtype), "dim": m.embedding_dim}
                   for name, m in model.named_modules() if isinstance(m, GGUFEmbedding)}
     int4 = [name for name, m in model.named_modules() if isinstance(m, GroupedInt4Linear)]
-    draft = {name: _DRAFT_FORMS[type(m)] for name, m in model.named_modules() if type(m) in _DRAFT_FORMS}
+    form_names = {form: name for name, (form, _) in DRAFT_FORMS.items()}
+    draft = {name: form_names[type(m)] for name, m in model.named_modules() if type(m) in form_names}
     path.parent.mkdir(parents=True, exist_ok=True)
     # a stopped save leaves no file that looks whole; two loads at once (two backends in one process) write two
     partial = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.partial")
@@ -89,7 +94,7 @@ def load_stored(path: Path, meta_dir: Path, mmap: bool = True) -> nn.Module:
         if isinstance(module, nn.Linear):
             shape = module.in_features, module.out_features, module.bias is not None
             if name in draft:
-                form = {"dynamic-int8": dynamic_int8_shell, "int4-draft": Int4Draft.shell}[draft[name]]
+                _, form = DRAFT_FORMS[draft[name]]
             else:
                 form = (GroupedInt4Linear if name in int4 else GroupedInt8Linear).shell
             setattr(parent, attr, form(*shape))
@@ -104,12 +109,3 @@ def load_stored(path: Path, meta_dir: Path, mmap: bool = True) -> nn.Module:
         raise ValueError(f"{path.name} lacks {missing[:5]}")
     log.info("%s %s from %s", "draft" if draft else "target", "mapped" if mmap else "read", path)
     return model.eval()
-
-
-def _draft_forms() -> dict[type, str]:
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
-
-    return {DynamicLinear: "dynamic-int8", Int4Draft: "int4-draft"}
-
-
-_DRAFT_FORMS = _draft_forms()  # a draft's Linear types -> their names in the stored file

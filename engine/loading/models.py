@@ -140,6 +140,7 @@ def _load_gguf(spec: str, role: str, device: torch.device, int8: bool, min_rows:
             # beside a mapped target the draft's load is the start's longest; beside float32 the target's packing
             # is, and storing the draft did not shorten the start (docs/memory.md, 2026-12-03)
             form = "draft-int4" if convert is int4_draft_or_int8 else "draft-int8"
+            # finished before it is stored: finish makes the head plain int8, the form the file should list
             model = load_or_build(gguf, meta, lambda: finish(
                 load_gguf_model(gguf, meta, convert, on_progress=on_progress), role), form)
         else:
