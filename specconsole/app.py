@@ -65,6 +65,10 @@ def launch(host: ModelHost, history: History, server_name: str, port: int, auth=
     app.launch(server_name=server_name, server_port=port, auth=auth, css=CSS, js=PRESENTER_JS, show_error=True,
                prevent_thread_lock=prevent_thread_lock, footer_links=[], share=bool(share),
                max_file_size=MAX_UPLOAD_BYTES,  # a suite file over it is refused as it arrives
+               # Gradio's own run history copies every prompt and output (the charts too) into the browser's
+               # localStorage and rewrites all of its records twice a second while a run streams: the History tab
+               # keeps the runs, and the browser's time belongs to the engines (docs/page-cost.md)
+               run_history=False,
                app_kwargs={"middleware": [quiet_frames(), Middleware(DrawnBeacon)]})
     return app
 

@@ -98,14 +98,26 @@ def figures_for(results: dict, labels: dict | None = None):
             charts.tokens_over_time(b, s, others))
 
 
-def outputs_of(panels=(), figures=None, plots=None, layout=None) -> tuple:
-    """One update of the Run tab's outputs, in their order: the live panels (baseline, speculative, then the
-    extra ones), the extra panels' columns and headings (`layout`), the figures and the three charts. What is not
-    given stays as it is."""
-    panels = [gr.skip() if p is None else p for p in panels]
-    panels += [gr.skip()] * (len(ENGINES) + MAX_EXTRA - len(panels))
-    layout = layout or [gr.skip()] * (2 * MAX_EXTRA)
-    return (*panels, *layout, gr.skip() if figures is None else figures, *(plots or (gr.skip(),) * 3))
+def outputs_of(feed=None, figures=None, plots=None) -> tuple:
+    """One update of a run's outputs, in their order: the panel feed (feed_of), the figures and the three charts.
+    What is not given stays as it is."""
+    return (gr.skip() if feed is None else feed, gr.skip() if figures is None else figures,
+            *(plots or (gr.skip(),) * 3))
+
+
+def feed_of(messages: dict, ack: int | None = None, charts: bool = False) -> str | None:
+    """The panel feed's value for one update: each live panel's message (engine -> PanelFeed.message, None where the
+    panel does not change), and `ack` (specconsole.page_drawn) for the page to answer once it drew the update (with
+    `charts`, the charts too); None when no panel changes (the page then has nothing that would answer)."""
+    panels = {engine: json.loads(m) for engine, m in messages.items() if m is not None}
+    if not panels:
+        return None
+    return json.dumps({"panels": panels} | ({} if ack is None else {"ack": ack}) | ({"charts": True} if charts else {}))
+
+
+def notices(engines: list[str], message: str) -> str:
+    """The feed's value that puts the same message in each engine's panel."""
+    return feed_of(dict.fromkeys(engines, message))
 
 
 def extra_layout(labels: list[str]) -> list:
@@ -117,8 +129,16 @@ def extra_layout(labels: list[str]) -> list:
 
 
 def live_panel(elem_id: str) -> gr.HTML:
-    """A token panel that the Run tab grows in place (assets/live_panel.js): its value is the latest message."""
-    return gr.HTML("", html_template='<div class="live-panel"></div>', js_on_load=LIVE_PANEL_JS, elem_id=elem_id)
+    """A token panel that the Run tab grows in place: its value never changes, the panel feed fills it."""
+    return gr.HTML("", html_template='<div class="live-panel"><div class="tokens"><span class="placeholder">waiting for '
+                   'tokens…</span></div><div class="panel-error" hidden></div><div class="panel-status"></div></div>',
+                   elem_id=elem_id)
+
+
+def panel_feed() -> gr.HTML:
+    """The one component every update of the token panels goes through (assets/live_panel.js)."""
+    return gr.HTML("", html_template="<div></div>", js_on_load=LIVE_PANEL_JS, elem_id="panel-feed",
+                   visible="hidden")
 
 
 def _panel_note(result) -> str:
@@ -179,8 +199,8 @@ def _stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
             with comp.ui_lock:  # in fair mode: never while an engine's pass is being timed
                 comp.page_idle.clear()  # and the next pass waits until the page has drawn this update (below)
                 results = comp.results
-                panels = [feeds[e].message(results[e].tokens, _panel_note(results[e]), results[e].error,
-                                           final=done) for e in comp.engines]
+                panels = {e: feeds[e].message(results[e].tokens, _panel_note(results[e]), results[e].error,
+                                              final=done) for e in comp.engines}
                 if figures_due:
                     s = results["speculative"]
                     figures = figures_html(results["baseline"], s, comp.comparison(results), mode,
@@ -191,12 +211,12 @@ def _stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
                 plots = figures_for(results, comp.labels) if chart_due else None
             last_panel = now
             last_figures, last_chart = (now if figures_due else last_figures), (now if chart_due else last_chart)
-            asked = (not done and acks is not None and acks.trusted
-                     and _ask_to_hear(panels, ACKS.expect(acks), charts=plots is not None))
+            asked = not done and acks is not None and acks.trusted and any(m is not None for m in panels.values())
+            feed = feed_of(panels, ACKS.expect(acks) if asked else None, charts=plots is not None)
             try:
                 # Gradio postprocesses the update (plotly's JSON, the diff to the last one) and sends it to the
                 # browser before it asks for the next one; the browser then draws it and says so
-                yield outputs_of(panels, figures if figures_due else None, plots)
+                yield outputs_of(feed, figures if figures_due else None, plots)
                 if not (asked and ACKS.wait(acks)):
                     time.sleep(SETTLE_S)
             finally:
@@ -208,19 +228,36 @@ def _stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
             ACKS.close(panel_run)
 
 
-def _ask_to_hear(panels: list, number: int, charts: bool = False) -> bool:
-    """Mark the first panel message of an update with `ack`, for the page to answer once it drew it (and, with
-    `charts`, the charts too); False when no panel changed (the page then has nothing that would answer)."""
-    for i, message in enumerate(panels):
-        if message is not None:
-            panels[i] = json.dumps(json.loads(message) | {"ack": number} | ({"charts": True} if charts else {}))
-            return True
-    return False
-
-
 def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
     active: dict[str, Comparison] = {}  # session -> its running comparison, for Stop
     queued: dict[str, threading.Event] = {}  # session -> set by Stop while its run waits for another one
+
+    def variants(prompt, method, k, dynamic_k, confidence, draft_vocab, fallback, temperature, top_p, max_new, seed,
+                 compare_with):
+        """The run's request and its speculative configurations (the main one, then the extra ones), checked;
+        raises SettingsError, ModelError or ValueError with the reason."""
+        req = build_request(prompt, max_new_tokens=max_new, temperature=temperature, top_p=top_p, seed=seed,
+                            method=method, k=k, dynamic_k=dynamic_k, draft_confidence=confidence,
+                            fallback=fallback, draft_vocab=draft_vocab)
+        host.backend.validate(req)  # before anything runs or is saved
+        # vLLM, llama.cpp: "Compare with" lists the backend's own extra servers; local: the drafting presets
+        label = label_of({"method": method} | ({"dynamic_k": True} if dynamic_k else {"k": int(k)}), method)
+        drafting = lambda: [Variant(label, req), *from_presets(req, compare_with)]
+        speculative, *extra = choose(host.backend, req, drafting, compare_with or [])
+        for v in extra:
+            host.backend.validate(v.request)
+        return req, speculative, extra
+
+    def plan(prompt, category, method, k, dynamic_k, confidence, draft_vocab, fallback, temperature, top_p,
+             max_new, seed, mode, show_rejected, compare_with):
+        """Before a run: show the extra panels it will use, headed by their labels, and hide the others (an event of
+        its own, so that the run's many updates need not name these components)."""
+        try:
+            extra = variants(prompt, method, k, dynamic_k, confidence, draft_vocab, fallback, temperature, top_p,
+                             max_new, seed, compare_with)[2] if host.ready else []
+        except (SettingsError, ModelError, ValueError):
+            extra = []  # the run says why
+        return extra_layout([v.label for v in extra])
 
     def run(prompt, category, method, k, dynamic_k, confidence, draft_vocab, fallback, temperature, top_p, max_new,
             seed, mode, show_rejected, compare_with, request: gr.Request):
@@ -228,39 +265,29 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
         panel_run = uuid.uuid4().hex[:8]  # tells the page's panels that a new run starts
         if not host.ready:
             msg = host.status() if host.error else f"{host.status()}. Press Run again when the models are ready."
-            yield outputs_of([panel_notice(panel_run, msg)] * 2, "")
+            yield outputs_of(notices(ENGINES, panel_notice(panel_run, msg)), "")
             return
         try:
-            req = build_request(prompt, max_new_tokens=max_new, temperature=temperature, top_p=top_p, seed=seed,
-                                method=method, k=k, dynamic_k=dynamic_k, draft_confidence=confidence,
-                                fallback=fallback, draft_vocab=draft_vocab)
-            host.backend.validate(req)  # before anything runs or is saved
-            # vLLM, llama.cpp: "Compare with" lists the backend's own extra servers; local: the drafting presets
-            label = label_of({"method": method} | ({"dynamic_k": True} if dynamic_k else {"k": int(k)}), method)
-            drafting = lambda: [Variant(label, req), *from_presets(req, compare_with)]
-            speculative, *extra = choose(host.backend, req, drafting, compare_with or [])
-            for v in extra:
-                host.backend.validate(v.request)
+            req, speculative, extra = variants(prompt, method, k, dynamic_k, confidence, draft_vocab, fallback,
+                                               temperature, top_p, max_new, seed, compare_with)
         except (SettingsError, ModelError, ValueError) as e:
-            msg = str(e)
-            yield outputs_of([panel_notice(panel_run, msg)] * 2, "")
+            yield outputs_of(notices(ENGINES, panel_notice(panel_run, str(e))), "")
             return
-        layout = extra_layout([v.label for v in extra])
+        engines = [*ENGINES, *EXTRA_ENGINES[:len(extra)]]
         # One comparison at a time (the Run button allows several handlers so that a waiting one can say so): two
         # at once would share the CPU, and the timings of both would be wrong.
         if not host.lock.acquire(blocking=False):
             if len(queued) >= MAX_QUEUED_RUNS and session not in queued:
-                yield outputs_of([panel_notice(panel_run, TOO_MANY_QUEUED)] * 2, "")
+                yield outputs_of(notices(ENGINES, panel_notice(panel_run, TOO_MANY_QUEUED)), "")
                 return
             stopped = queued[session] = threading.Event()
-            note = PanelFeed(panel_run).message([], QUEUED)
-            yield outputs_of([note] * (2 + len(extra)), f'<div class="status-line">{escape(QUEUED)}</div>',
-                             layout=layout)
+            yield outputs_of(notices(engines, PanelFeed(panel_run).message([], QUEUED)),
+                             f'<div class="status-line">{escape(QUEUED)}</div>')
             try:
                 while not host.lock.acquire(timeout=1.0):
                     if stopped.is_set():
-                        note = PanelFeed(panel_run).message([], "Stopped before it started.")
-                        yield outputs_of([note] * (2 + len(extra)), "")
+                        yield outputs_of(notices(engines, PanelFeed(panel_run).message([], "Stopped before it started.")),
+                                         "")
                         return
                     yield outputs_of()  # gives gradio the chance to drop the run of a page that was closed
             finally:
@@ -271,7 +298,6 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
             active[session] = comp
             comp.start()
             try:
-                yield outputs_of(layout=layout)  # the extra panels this run uses, and no others
                 yield from _stream(comp, panel_run, mode, show_rejected)
             finally:
                 comp.cancel.set()  # a closed tab or an error must not leave the engines running
@@ -382,18 +408,19 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
     with gr.Row(equal_height=True):
         with gr.Column():
             gr.Markdown("**Baseline** — target only, one token per pass")
-            base_panel = live_panel("baseline-panel")
+            live_panel("baseline-panel")
         with gr.Column():
             gr.Markdown("**Speculative** — draft proposes, target verifies")
-            spec_panel = live_panel("speculative-panel")
+            live_panel("speculative-panel")
     # the extra engines of an N-way run (Compare with): built now, shown by the run that uses them
-    extra_columns, extra_headings, extra_panels = [], [], []
+    extra_columns, extra_headings = [], []
     with gr.Row(equal_height=True):
         for engine in EXTRA_ENGINES:
             with gr.Column(visible=False) as column:
                 extra_headings.append(gr.Markdown(f"**{engine}**"))
-                extra_panels.append(live_panel(f"{engine}-panel"))
+                live_panel(f"{engine}-panel")
             extra_columns.append(column)
+    feed = panel_feed()
     figures = gr.HTML("", elem_id="figures")
     empty = figures_for({})  # also loads plotly's templates now rather than during the first run
     with gr.Row(elem_classes="present-hide"):
@@ -406,12 +433,11 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
     inputs = [prompt, category, method, k, dynamic_k, confidence, draft_vocab, fallback, temperature, top_p, max_new,
               seed, mode, show_rejected, compare_with]
     # in outputs_of()'s order
-    outputs = [base_panel, spec_panel, *extra_panels, *extra_columns, *extra_headings, figures, chart_steps,
-               chart_pos, chart_tokens]
+    outputs = [feed, figures, chart_steps, chart_pos, chart_tokens]
     # no progress overlay: its animation would cost the browser CPU during the very run it shows
     # RUN_HANDLERS handlers: one runs, the others wait in run() for host.lock and say that they are queued
-    run_event = run_btn.click(run, inputs, outputs, concurrency_limit=RUN_HANDLERS, concurrency_id="runs",
-                              show_progress="hidden")
+    run_event = run_btn.click(plan, inputs, [*extra_columns, *extra_headings], queue=False, show_progress="hidden").then(
+        run, inputs, outputs, concurrency_limit=RUN_HANDLERS, concurrency_id="runs", show_progress="hidden")
     stop_btn.click(stop, None, None, concurrency_limit=None)
     category.change(pick_category, category, [example, prompt, temperature])
     example.input(pick_example, [category, example], [prompt, temperature])

@@ -173,6 +173,9 @@ def test_live_panels_append_and_charts_throttle(console, page):
         # the very node that was first when the run had just begun is still the panel's first token
         assert page.evaluate(f"""() => window.first['{panel}'].isConnected &&
                                  document.querySelector('#{panel} .tok') === window.first['{panel}']"""), panel
+    # nor does Gradio copy the run into the browser's localStorage (its run history rewrites all its records twice a
+    # second while a run streams; the History tab keeps the runs)
+    assert page.evaluate("Object.keys(localStorage).filter(k => k.startsWith('gradio:run-history'))") == []
     redraws = page.evaluate("window.redraws")
     seconds = (end - start) / 1000
     for chart in ("chart-steps", "chart-positions", "chart-tokens"):

@@ -3,6 +3,7 @@ backend does not apply, and builds requests from the same defaults as launch.py.
 
 import gradio as gr
 
+from engine.backend import MAX_EXTRA
 from specconsole.history import History
 
 
@@ -55,3 +56,20 @@ def test_the_page_builds_with_its_elements(tmp_path):
     assert {"model-status", "prompt", "run", "stop", "temperature", "max-new", "baseline-panel", "speculative-panel",
             "figures", "chart-steps", "history-table", "export-all", "open-run", "run-suite", "suite-status",
             "export-suite", "suite-files", "one-at-a-time"} <= ids
+
+
+def test_a_runs_updates_name_few_components(tmp_path):
+    """The browser's work per update grows with the components the update names, shown or hidden (docs/page-cost.md:
+    naming the hidden N-way panels, columns and headings cost about a fifth of the browser's CPU with the int4
+    target): the run streams through one panel feed, the figures and the charts; the extra panels' layout is set
+    by an event of its own before the run."""
+    from specconsole.app import build
+    from specconsole.host import ModelHost
+
+    app = build(ModelHost("not loaded", lambda p: None), History(tmp_path / "h.db"))
+    by_id = {b._id: getattr(b, "elem_id", None) for b in app.blocks.values()}
+    (run,) = [f for f in app.fns.values() if f.name == "run"]
+    assert [by_id[o._id] for o in run.outputs] == ["panel-feed", "figures", "chart-steps", "chart-positions",
+                                                  "chart-tokens"]
+    (plan,) = [f for f in app.fns.values() if f.name == "plan"]
+    assert len(plan.outputs) == 2 * MAX_EXTRA and not plan.queue  # columns and headings, at once
