@@ -28,7 +28,7 @@ log = logging.getLogger("specconsole")
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     from engine.exact.optimize import MIN_ROWS
-    from engine.exact.precision import PRECISIONS
+    from engine.exact.precision import AUTO, PRECISIONS
     from engine.presets import DEFAULT_PRESET, PRESETS
 
     p.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS), help="models to load")
@@ -36,8 +36,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-rows", type=int, default=MIN_ROWS,
                    help="target passes over fewer tokens run padded to this many rows: bitwise exact and faster on "
                         "our CPU (1 = no padding: single rows may differ in the last bits)")
-    p.add_argument("--precision", default="float32", choices=PRECISIONS,
-                   help="the target's weights: float32, float16 on CPU (half the bytes to read per token), int8 "
+    p.add_argument("--precision", default=AUTO, choices=(AUTO, *PRECISIONS),
+                   help="the target's weights: auto (the default: int4 where its kernel runs, else float32), "
+                        "float32 (the reference), float16 on CPU (half the bytes to read per token), int8 "
                         "on an x86 CPU (llama.cpp's arithmetic, a third of the bytes; compiled on first use) or int4 "
                         "(int8's kernel on the GGUF's own 4-bit codes, the rest int8); speculative output still "
                         "equals the baseline's, both may part from float32's")

@@ -336,7 +336,8 @@ def main(argv=None) -> int:
                       ("tokens_per_pass", "speculative: tokens per verify pass")):
         if all(key in r for r in page + api):
             a, b = med(page, key), med(api, key)
-            out.write(f"| {name} | {a:.1f} | {b:.1f} | {a / b:.2f} |\n")
+            if b:  # a server that does not time its passes (llama.cpp's speculative engine) gives 0
+                out.write(f"| {name} | {a:.1f} | {b:.1f} | {a / b:.2f} |\n")
     out.write(f"| runs marked noisy | {sum(bool(r['noisy']) for r in page)}/{len(page)} | "
               f"{sum(bool(r['noisy']) for r in api)}/{len(api)} | |\n")
     out.write("browser cores per run: " + ", ".join(f"{r['browser_cores']:.3f}" for r in page) + "\n")

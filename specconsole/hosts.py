@@ -27,10 +27,16 @@ def local_host(args) -> ModelHost:
     label = f"local: target {preset.target}, draft {preset.draft or 'n-gram prompt lookup'}"
 
     def factory(progress):
-        return LocalBackend.from_preset(preset, args.device, args.min_rows, on_progress=progress,
-                                        precision=args.precision)
+        backend = LocalBackend.from_preset(preset, args.device, args.min_rows, on_progress=progress,
+                                           precision=args.precision)
+        # the status line names what runs: the target's precision ("auto" chose it), and why not int4
+        draft = backend.draft.name if backend.draft else "n-gram prompt lookup"
+        note = f" (float32: {backend.precision_note})" if backend.precision_note else ""
+        host.label = f"local: target {backend.target.name}, draft {draft}{note}"
+        return backend
 
-    return ModelHost(label, factory, preset.method)
+    host = ModelHost(label, factory, preset.method)
+    return host
 
 
 def llamacpp_host(args) -> ModelHost:

@@ -139,6 +139,7 @@ class Comparison:
             raise ValueError(f"at most {MAX_EXTRA} extra speculative engines, got {len(extra)}")
         self.backend, self.request, self.mode, self.history = backend, request, mode, history
         self.meta = meta
+        self.timed_while_streaming = False  # start() sets it: do the page's updates fall in timed runs?
         self.engines = (*ENGINES, *[extra_engine(i) for i in range(len(extra))])
         # each engine's own request (the extras differ in their drafting settings only) and its name on screen
         self.requests = {"baseline": request, "speculative": request,
@@ -184,6 +185,9 @@ class Comparison:
             except HistoryError as e:  # the run goes on, on screen only
                 self._save_failed(e)
         strategy = self.backend.capabilities.fair_strategy if self.mode == "fair" else "parallel"
+        # engines at once, or one whole run after the other: the page's updates cannot wait for a pass to end, so
+        # each of them lands in an engine's timed run (specconsole.tab_run sends fewer)
+        self.timed_while_streaming = strategy != "alternate"
         if strategy != "parallel":
             step = StepRecord if strategy == "alternate" else RunResult
             self._threads = [threading.Thread(target=self._take_turns, args=(step,), daemon=True,

@@ -47,6 +47,9 @@ LIVE_PANEL_JS = (ASSETS / "live_panel.js").read_text()
 # panels receive only their new tokens, five times a second at most; the figures once a second; plotly re-lays out
 # a whole chart per update, the browser's largest cost (docs/page-cost.md), so charts every 5 s and at the end.
 PANEL_EVERY_S = 0.2
+# where every update lands in an engine's timed run (race mode, turns that are whole runs: llama.cpp and vLLM servers
+# on shared cores), two a second: the browser's work grows with the updates, not with their tokens (docs/page-cost.md)
+PANEL_WHILE_TIMED_S = 0.5
 FIGURES_EVERY_S = 1.0
 CHART_EVERY_S = 5.0
 QUEUED = ("Queued behind another run: runs go one at a time, because the timings of concurrent runs would share "
@@ -183,16 +186,18 @@ def compare_choices(backend):
 
 
 def _stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
-    """The run's updates, throttled (PANEL_EVERY_S, FIGURES_EVERY_S, CHART_EVERY_S), until it ends. In fair mode the
-    next timed pass waits until the browser said it drew the last update (specconsole.page_drawn)."""
+    """The run's updates, throttled (PANEL_EVERY_S or PANEL_WHILE_TIMED_S, FIGURES_EVERY_S, CHART_EVERY_S), until it
+    ends. In fair mode the next timed pass waits until the browser said it drew the last update
+    (specconsole.page_drawn)."""
     feeds = {e: PanelFeed(panel_run, show_rejected and e != "baseline") for e in comp.engines}
     acks = ACKS.open(panel_run) if mode == "fair" else None
+    every = PANEL_WHILE_TIMED_S if comp.timed_while_streaming else PANEL_EVERY_S
     last_panel = last_figures = last_chart = 0.0
     try:
         while True:
-            done = comp.poll(timeout=PANEL_EVERY_S)
+            done = comp.poll(timeout=every)
             now = time.monotonic()
-            if not done and now - last_panel < PANEL_EVERY_S:
+            if not done and now - last_panel < every:
                 continue
             figures_due = done or now - last_figures >= FIGURES_EVERY_S
             chart_due = done or now - last_chart >= CHART_EVERY_S

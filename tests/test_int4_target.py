@@ -169,3 +169,26 @@ def test_an_int4_gguf_target_is_stored_mapped_and_greedy_exact(tmp_path, monkeyp
         c = compare(b, s, greedy=True)
         assert c["identical"], f"first divergence at token {c['first_divergence']}"
         assert s.metrics["accepted"] > 0
+
+
+def test_the_default_is_int4_where_its_kernel_runs_and_float32_where_it_cannot(tmp_path, smol_tokenizer, monkeypatch):
+    """launch.py's default, --precision auto: the int4 target here, where the kernel runs; on a machine without a
+    compiler or ninja (here: a PATH without them), the float32 target, and the status line says why."""
+    from launch import parsers
+    from specconsole.hosts import local_host
+
+    model = tmp_path / "tiny"
+    tiny_llama(len(smol_tokenizer), seed=3).save_pretrained(model)
+    smol_tokenizer.save_pretrained(model)
+    parser, _ = parsers()
+    host = local_host(parser.parse_args(["demo", "--preset", "smollm2-ngram", "--target", str(model), "--prompt", "Hi"]))
+    backend = host.factory(None)
+    assert backend.precision == "int4" and backend.precision_note is None
+    assert backend.target.name.endswith("(int4)") and "(int4)" in host.label
+    assert [m for m in backend.target.model.modules() if isinstance(m, GroupedInt8Linear)]
+
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing-here"))
+    backend = host.factory(None)
+    assert backend.precision == "float32" and not backend.target.name.endswith(")")
+    assert not [m for m in backend.target.model.modules() if isinstance(m, GroupedInt8Linear)]
+    assert "float32: the int4 kernel cannot run here: it is compiled on first use and needs a C++ compiler" in host.label

@@ -92,8 +92,10 @@ def test_the_command_line_option_reaches_the_target(tmp_path, smol_tokenizer):
     tiny_llama(len(smol_tokenizer), seed=3).save_pretrained(tmp_path)
     smol_tokenizer.save_pretrained(tmp_path)
     parser, _ = parsers()
-    # float16's target says so in its name, and has no token tree (its rows are not free); no option: float32
-    for option, layers, tree_rows in ((["--precision", "float16"], 2 * 7 + 1, 0), ([], 0, MIN_ROWS)):
+    # float16's target says so in its name, and has no token tree (its rows are not free); float32's does (the
+    # default, auto, is tests/test_int4_target.py's)
+    for option, layers, tree_rows in ((["--precision", "float16"], 2 * 7 + 1, 0),
+                                      (["--precision", "float32"], 0, MIN_ROWS)):
         args = parser.parse_args(["demo", "--preset", "smollm2-ngram", "--target", str(tmp_path), "--prompt", "Hi",
                                   *option])
         backend = local_host(args).factory(None)

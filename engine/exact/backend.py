@@ -16,6 +16,7 @@ from engine.loading.models import LoadedModel, ModelError, check_pair, load, pic
 from engine.presets import PRESETS, Preset
 from engine.prompts import encode_prompt
 from engine.exact.optimize import MIN_ROWS, free_rows
+from engine.exact.precision import resolve_precision
 from engine.backend import Capabilities
 from engine.exact.policy import SpecPolicy
 from engine.exact.proposers import Draft
@@ -46,6 +47,9 @@ class LocalBackend:
         self.target_step_ms: float | None = None  # measured by baseline runs; lets the fallback judge from the first step
         self.verify_ms: dict[int, float] = {}  # target pass over m tokens -> ms, learned by speculative runs
         self.heads: dict[int, PrunedHead] = {}  # FR-Spec: the draft's pruned output layer per vocabulary size
+        # the target's Linears (engine.exact.precision; its name says so too, for the history), and why "auto" gave
+        # float32 (from_preset sets them)
+        self.precision, self.precision_note = "float32", None
 
     @classmethod
     def from_preset(
@@ -57,6 +61,16 @@ class LocalBackend:
                 raise ModelError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
             preset = PRESETS[preset]
         dev = pick_device(device)
+        precision, why = resolve_precision(precision, dev)
+        if why:
+            log.warning("the target runs in float32: %s", why)
+        backend = cls._load_pair(preset, dev, min_rows, on_progress, precision)
+        backend.precision, backend.precision_note = precision, why
+        return backend
+
+    @classmethod
+    def _load_pair(cls, preset: Preset, dev, min_rows: int, on_progress: Progress | None,
+                   precision: str) -> "LocalBackend":
         if not preset.draft:
             return cls(load(preset.target, "target", dev, min_rows=min_rows, on_progress=on_progress,
                             precision=precision), None)

@@ -27,6 +27,28 @@ import torch
 from torch import nn
 
 PRECISIONS = ("float32", "float16", "int8", "int4")  # float32: engine.exact.optimize.PackedLinear, the reference
+# The console's default: int4 where its kernel runs (the fastest form and the smallest, README: the target's
+# precision), float32 elsewhere
+AUTO = "auto"
+
+
+def resolve_precision(precision: str, device: torch.device) -> tuple[str, str | None]:
+    """`precision` with AUTO made concrete: int4 on a CPU where its kernel runs (AVX2, a C++ compiler and ninja; it
+    is compiled here on first use), else float32; and why AUTO gave float32 (None when it gave int4, or when a
+    precision was named)."""
+    if precision != AUTO:
+        return precision, None
+    if device.type != "cpu":
+        return "float32", f"the int4 kernel runs on CPU only, not on {device}"
+    from engine.exact.grouped_int8 import kernel, unavailable
+
+    why = unavailable()
+    if why is None:
+        try:
+            kernel()
+        except Exception as e:  # noqa: BLE001 - a compiler that fails: float32 serves, and says why
+            why = f"it did not compile ({type(e).__name__}: {str(e)[:300]})"
+    return ("float32", f"the int4 kernel cannot run here: {why}") if why else ("int4", None)
 
 
 def fp16_available(device: torch.device) -> bool:
