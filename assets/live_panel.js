@@ -49,7 +49,10 @@ function apply() {
     const idle = (then) => window.requestIdleCallback ? requestIdleCallback(then, {timeout: 500}) : then();
     // a beacon: the browser has nothing to handle when it is answered (a Gradio server function's reply arrived just
     // as the next timed pass started, and its handling fell in that pass)
-    const say = () => { first.dataset.said = word; navigator.sendBeacon(new URL('page_drawn', document.baseURI), word); };
+    const say = () => {
+      first.dataset.said = word;
+      navigator.sendBeacon(new URL('page_drawn', document.baseURI), word);
+    };
     const painted = () => requestAnimationFrame(() => setTimeout(say, 0));
     if (update.charts) idle(() => setTimeout(() => idle(painted), CHART_RESIZE_MS)); else idle(painted);
   }

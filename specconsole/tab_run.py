@@ -118,7 +118,7 @@ def feed_of(messages: dict, ack: int | None = None, charts: bool = False) -> str
     return json.dumps({"panels": panels} | ({} if ack is None else {"ack": ack}) | ({"charts": True} if charts else {}))
 
 
-def notices(engines: list[str], message: str) -> str:
+def notices(engines, message: str) -> str | None:
     """The feed's value that puts the same message in each engine's panel."""
     return feed_of(dict.fromkeys(engines, message))
 
@@ -133,9 +133,9 @@ def extra_layout(labels: list[str]) -> list:
 
 def live_panel(elem_id: str) -> gr.HTML:
     """A token panel that the Run tab grows in place: its value never changes, the panel feed fills it."""
-    return gr.HTML("", html_template='<div class="live-panel"><div class="tokens"><span class="placeholder">waiting for '
-                   'tokens…</span></div><div class="panel-error" hidden></div><div class="panel-status"></div></div>',
-                   elem_id=elem_id)
+    return gr.HTML("", html_template='<div class="live-panel"><div class="tokens"><span class="placeholder">'
+                   'waiting for tokens…</span></div><div class="panel-error" hidden></div><div class="panel-status">'
+                   '</div></div>', elem_id=elem_id)
 
 
 def panel_feed() -> gr.HTML:
@@ -291,8 +291,8 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
             try:
                 while not host.lock.acquire(timeout=1.0):
                     if stopped.is_set():
-                        yield outputs_of(notices(engines, PanelFeed(panel_run).message([], "Stopped before it started.")),
-                                         "")
+                        note = PanelFeed(panel_run).message([], "Stopped before it started.")
+                        yield outputs_of(notices(engines, note), "")
                         return
                     yield outputs_of()  # gives gradio the chance to drop the run of a page that was closed
             finally:
@@ -441,8 +441,9 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
     outputs = [feed, figures, chart_steps, chart_pos, chart_tokens]
     # no progress overlay: its animation would cost the browser CPU during the very run it shows
     # RUN_HANDLERS handlers: one runs, the others wait in run() for host.lock and say that they are queued
-    run_event = run_btn.click(plan, inputs, [*extra_columns, *extra_headings], queue=False, show_progress="hidden").then(
-        run, inputs, outputs, concurrency_limit=RUN_HANDLERS, concurrency_id="runs", show_progress="hidden")
+    layout_event = run_btn.click(plan, inputs, [*extra_columns, *extra_headings], queue=False, show_progress="hidden")
+    run_event = layout_event.then(run, inputs, outputs, concurrency_limit=RUN_HANDLERS, concurrency_id="runs",
+                                  show_progress="hidden")
     stop_btn.click(stop, None, None, concurrency_limit=None)
     category.change(pick_category, category, [example, prompt, temperature])
     example.input(pick_example, [category, example], [prompt, temperature])

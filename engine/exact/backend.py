@@ -16,7 +16,7 @@ from engine.loading.models import LoadedModel, ModelError, check_pair, load, pic
 from engine.presets import PRESETS, Preset
 from engine.prompts import encode_prompt
 from engine.exact.optimize import MIN_ROWS, free_rows
-from engine.exact.precision import resolve_precision
+from engine.exact.precision import AUTO, resolve_precision
 from engine.backend import Capabilities
 from engine.exact.policy import SpecPolicy
 from engine.exact.proposers import Draft
@@ -61,6 +61,8 @@ class LocalBackend:
                 raise ModelError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
             preset = PRESETS[preset]
         dev = pick_device(device)
+        if on_progress and precision == AUTO:
+            on_progress("preparing the int4 kernel (compiled at the first start: about a minute)", 0, 1)
         precision, why = resolve_precision(precision, dev)
         if why:
             log.warning("the target runs in float32: %s", why)
