@@ -63,19 +63,15 @@ def cpu_seconds(procs: list[psutil.Process]) -> float:
     return total
 
 
-def process_kind(p: psutil.Process) -> str:
-    """Chromium's name for a process's job (its --type=: renderer, gpu-process, utility), "browser" for the main one."""
-    try:
-        kind = next((a.split("=", 1)[1] for a in p.cmdline() if a.startswith("--type=")), "browser")
-    except psutil.NoSuchProcess:
-        return "gone"
-    return kind
-
-
 def cpu_by_kind(procs: list[psutil.Process]) -> dict[str, float]:
+    """CPU seconds per Chromium process kind (its --type=: renderer, gpu-process, utility; "browser" for the main
+    one)."""
     out: dict[str, float] = {}
     for p in procs:
-        kind = process_kind(p)
+        try:
+            kind = next((a.split("=", 1)[1] for a in p.cmdline() if a.startswith("--type=")), "browser")
+        except psutil.NoSuchProcess:
+            continue
         out[kind] = out.get(kind, 0.0) + cpu_seconds([p])
     return out
 
@@ -134,18 +130,16 @@ def page_session(args):
             def run() -> dict:
                 browser_procs = browser_processes(console.pid)
                 before = page.evaluate(LAST_RUN)
-                k0 = cpu_by_kind(browser_procs)
-                b0, c0, t0 = cpu_seconds(browser_procs), cpu_seconds([console_proc]), time.perf_counter()
+                k0, c0, t0 = cpu_by_kind(browser_procs), cpu_seconds([console_proc]), time.perf_counter()
                 page.locator("body").press("Enter") if args.presenter else page.click("#run")
                 # polled 4 times a second: by default playwright evaluates it on every animation frame, 60 times a
                 # second, and that work would be counted as the page's
                 page.wait_for_function(RUN_ENDED, arg=[before, panels], timeout=600_000, polling=250)
                 wall = time.perf_counter() - t0
-                browser_procs = browser_processes(console.pid)
-                b1, c1, k1 = cpu_seconds(browser_procs), cpu_seconds([console_proc]), cpu_by_kind(browser_procs)
-                kinds = {f"browser_{kind}": (k1[kind] - k0.get(kind, 0.0)) / wall for kind in k1}
-                return _latest_run(db) | {"browser_cores": (b1 - b0) / wall, "console_cores": (c1 - c0) / wall,
-                                          "wall_s": wall, **kinds}
+                k1, c1 = cpu_by_kind(browser_processes(console.pid)), cpu_seconds([console_proc])
+                kinds = {kind: (k1[kind] - k0.get(kind, 0.0)) / wall for kind in k1}
+                return _latest_run(db) | {"browser_cores": (sum(k1.values()) - sum(k0.values())) / wall,
+                                          "browser_kinds": kinds, "console_cores": (c1 - c0) / wall, "wall_s": wall}
 
             yield run
             browser.close()
@@ -312,9 +306,9 @@ def main(argv=None) -> int:
               f"{args.runs} runs per phase after a warm-up; machine: {machine()}; {time.strftime('%Y-%m-%d')}\n")
     out.write("| figure | page | API | page / API |\n| --- | --- | --- | --- |\n")
     out.write(f"| browser CPU during a run (cores) | {med(page, 'browser_cores'):.3f} | – | – |\n")
-    for kind in sorted({k for r in page for k in r if k.startswith("browser_") and k != "browser_cores"}):
-        out.write(f"| browser: its {kind[8:]} processes (cores) | {med(page, kind):.3f} | – | – |\n"
-                  if all(kind in r for r in page) else "")
+    for kind in sorted(set.intersection(*(set(r["browser_kinds"]) for r in page))):
+        cores = statistics.median(r["browser_kinds"][kind] for r in page)
+        out.write(f"| browser: its {kind} processes (cores) | {cores:.3f} | – | – |\n")
     out.write(f"| console process CPU during a run (cores) | {med(page, 'console_cores'):.2f} | – | – |\n")
     for key, name in (("page_cores", "console's own work during timed passes (cores)"),
                       ("other_cores", "other processes during a run (cores)"),

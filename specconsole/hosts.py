@@ -24,18 +24,19 @@ def local_host(args) -> ModelHost:
     from engine.exact.backend import LocalBackend
 
     preset = preset_of(args)
-    label = f"local: target {preset.target}, draft {preset.draft or 'n-gram prompt lookup'}"
+
+    def label(target: str, draft: str | None, note: str = "") -> str:
+        return f"local: target {target}, draft {draft or 'n-gram prompt lookup'}{note}"
 
     def factory(progress):
         backend = LocalBackend.from_preset(preset, args.device, args.min_rows, on_progress=progress,
                                            precision=args.precision)
         # the status line names what runs: the target's precision ("auto" chose it), and why not int4
-        draft = backend.draft.name if backend.draft else "n-gram prompt lookup"
         note = f" (float32: {backend.precision_note})" if backend.precision_note else ""
-        host.label = f"local: target {backend.target.name}, draft {draft}{note}"
+        host.label = label(backend.target.name, backend.draft.name if backend.draft else None, note)
         return backend
 
-    host = ModelHost(label, factory, preset.method)
+    host = ModelHost(label(preset.target, preset.draft), factory, preset.method)
     return host
 
 

@@ -139,7 +139,6 @@ class Comparison:
             raise ValueError(f"at most {MAX_EXTRA} extra speculative engines, got {len(extra)}")
         self.backend, self.request, self.mode, self.history = backend, request, mode, history
         self.meta = meta
-        self.timed_while_streaming = False  # start() sets it: do the page's updates fall in timed runs?
         self.engines = (*ENGINES, *[extra_engine(i) for i in range(len(extra))])
         # each engine's own request (the extras differ in their drafting settings only) and its name on screen
         self.requests = {"baseline": request, "speculative": request,
@@ -174,6 +173,18 @@ class Comparison:
 
     # --- running ---------------------------------------------------------------------------------------------------
 
+    @property
+    def strategy(self) -> str:
+        """How the engines share the machine: "alternate" (turns of one pass), "sequential" (turns of a whole run) or
+        "parallel" (all at once: race mode, or a backend whose engines own their cores)."""
+        return self.backend.capabilities.fair_strategy if self.mode == "fair" else "parallel"
+
+    @property
+    def timed_while_streaming(self) -> bool:
+        """Engines at once, or one whole run after the other: the page's updates cannot wait for a pass to end, so
+        each of them lands in an engine's timed run (specconsole.tab_run sends fewer)."""
+        return self.strategy != "alternate"
+
     def start(self) -> None:
         self.load = MachineLoad()
         if self.history is not None:
@@ -184,10 +195,7 @@ class Comparison:
                 self.saved_events = EventLog(self.run_id)
             except HistoryError as e:  # the run goes on, on screen only
                 self._save_failed(e)
-        strategy = self.backend.capabilities.fair_strategy if self.mode == "fair" else "parallel"
-        # engines at once, or one whole run after the other: the page's updates cannot wait for a pass to end, so
-        # each of them lands in an engine's timed run (specconsole.tab_run sends fewer)
-        self.timed_while_streaming = strategy != "alternate"
+        strategy = self.strategy
         if strategy != "parallel":
             step = StepRecord if strategy == "alternate" else RunResult
             self._threads = [threading.Thread(target=self._take_turns, args=(step,), daemon=True,
