@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 MODES = ("fair", "race")
 SAVE_EVERY_S = 1.0  # how often a running comparison appends its new events to the history
 PAGE_WAIT_S = 3.0  # the longest a fair turn waits for the page to draw its last update (page_drawn waits 2 s)
+THREAD_END_WAIT_S = 5.0  # at the end of a run: the longest its figures wait for an engine thread to finish its turn
 
 
 class TurnLock:
@@ -309,7 +310,12 @@ class Comparison:
         if not done:
             self._save_progress()
         if done and self.load is not None and not self.machine:
-            self.load.console.stop()  # (turns stopped it after each turn already)
+            # an engine's last event arrives before its thread has stopped the turn's clock (whole-run turns) or left
+            # its stream: the figures wait for that, and only one thread ever stops the console's clock
+            for t in self._threads:
+                t.join(THREAD_END_WAIT_S)
+            if self.strategy == "parallel":
+                self.load.console.stop()
             self.machine = self.load.result(sum(c.elapsed for c in self.clocks.values()) if self.clocks else None)
         if done and not self.saved:
             self._save()

@@ -36,7 +36,7 @@ from specconsole.markup import md
 from specconsole.page_drawn import ACKS, SETTLE_S
 from specconsole.render import PanelFeed, engines_html, figures_html, legend_html, panel_notice
 from specconsole.runner import MODES, Comparison, run_meta
-from specconsole.suites import categories, load_suite
+from specconsole.suites import SuitePrompt, categories, load_suite
 from specconsole.variants import PRESETS, Variant, choose, from_presets, label_of
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,12 @@ class RunTab:
     settings: RunSettings
     run_event: object  # the Run button's event: the History tab refreshes after it
     backend_outputs: list  # what backend_view() updates once the models are ready
+
+
+def examples(category: str) -> tuple[list[tuple[str, int]], SuitePrompt]:
+    """The example list of a category's suite and its first prompt (ValueError: not one of the listed suites)."""
+    prompts = load_suite(category)
+    return [(f"{i + 1}. {p.prompt[:90]}", i) for i, p in enumerate(prompts)], prompts[0]
 
 
 def rolling_acceptance(result, window: int = 8) -> float | None:
@@ -333,12 +339,10 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
 
     def pick_category(category):
         try:
-            prompts = load_suite(category)
+            choices, first = examples(category)
         except ValueError as e:  # not one of the listed suites
             gr.Warning(escape(str(e)))  # a toast shows HTML
             return gr.skip(), gr.skip(), gr.skip()
-        choices = [(f"{i + 1}. {p.prompt[:90]}", i) for i, p in enumerate(prompts)]
-        first = prompts[0]
         return gr.update(choices=choices, value=0), first.prompt, first.temperature
 
     def pick_example(category, index):
@@ -357,8 +361,15 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
     with gr.Row(elem_classes="present-hide"):  # the presenter view keeps the panels, legend and headline figures
         with gr.Column(scale=3):
             category = gr.Dropdown(cats, value=cats[0] if cats else None, label="Category")
-            example = gr.Dropdown([], label="Example prompt", allow_custom_value=False)
-            prompt = gr.Textbox(label="Prompt", lines=6, elem_id="prompt")
+            # the first category's first example is in the page as it is served: an event on load that filled it
+            # in would overwrite what someone typed (or a test set) before it came back
+            try:
+                choices, first = examples(cats[0]) if cats else ([], None)
+            except ValueError:
+                choices, first = [], None
+            example = gr.Dropdown(choices, value=0 if choices else None, label="Example prompt",
+                                  allow_custom_value=False)
+            prompt = gr.Textbox(first.prompt if first else "", label="Prompt", lines=6, elem_id="prompt")
             with gr.Row():
                 run_btn = gr.Button("Run", variant="primary", elem_id="run")
                 stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
@@ -389,7 +400,7 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
             with gr.Row():
                 fallback = gr.Checkbox(value=False, label="Fall back to plain decoding when it does not pay")
             with gr.Row():
-                temperature = gr.Slider(0.0, 1.5, value=DEFAULT_TEMPERATURE, step=0.05,
+                temperature = gr.Slider(0.0, 1.5, value=first.temperature if first else DEFAULT_TEMPERATURE, step=0.05,
                                         label="Temperature (0 = greedy)", elem_id="temperature")
                 top_p = gr.Slider(0.05, 1.0, value=DEFAULT_TOP_P, step=0.05, label="Top-p")
             with gr.Row():
@@ -447,7 +458,6 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
     stop_btn.click(stop, None, None, concurrency_limit=None)
     category.change(pick_category, category, [example, prompt, temperature])
     example.input(pick_example, [category, example], [prompt, temperature])
-    app.load(pick_category, category, [example, prompt, temperature])
     vllm_apply.click(reconfigure_vllm, [vllm_method, vllm_k, vllm_draft], vllm_status, concurrency_limit=1,
                      concurrency_id="engines")
 

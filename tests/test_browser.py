@@ -84,6 +84,22 @@ def wait_for_run(page) -> None:
     page.wait_for_selector("#figures:has-text('machine during the run')", timeout=60_000)
 
 
+def test_the_page_comes_with_an_example_and_keeps_what_is_typed_at_once(console, page):
+    """The first category's first example is in the page as served; a prompt typed as soon as the box shows is not
+    overwritten by anything the page fetches afterwards (an event on load once filled the example in late)."""
+    from specconsole.suites import categories, load_suite
+
+    url, _ = console
+    page.goto(url)
+    box = page.locator("#prompt textarea")
+    box.wait_for()
+    assert box.input_value() == load_suite(categories()[0])[0].prompt
+    box.fill("typed at once")
+    page.wait_for_selector("#model-status:has-text('Ready')", timeout=120_000)
+    page.wait_for_timeout(2000)
+    assert box.input_value() == "typed at once"
+
+
 def test_run_history_and_csv(console, page, tmp_path):
     from playwright.sync_api import expect
 
@@ -208,7 +224,8 @@ def test_presenter_view_keys_and_the_same_run_across_switches(console, page):
     try:
         page.goto(url + "?view=present")
         page.wait_for_selector("#model-status:has-text('Ready')", timeout=120_000)
-        assert page.evaluate("document.body.classList.contains('present')")
+        # the view is Gradio's js= hook's, which runs once the app has mounted (the status line can be there first)
+        page.wait_for_function("() => document.body.classList.contains('present')", timeout=30_000)
         assert not page.is_visible("#prompt") and not page.is_visible("#chart-tokens")
         assert not page.get_by_role("tab", name="History").is_visible()
         boxes = [page.locator(f"#{e}-panel .tokens").bounding_box() for e in ("baseline", "speculative")]

@@ -2,6 +2,11 @@
 output still equals the baseline's; the kernel computes what its docstring says; the option reaches the model."""
 
 import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +36,7 @@ from tests.test_greedy_exact import (  # noqa: F401
 if grouped_int8.unavailable():
     skip_or_fail(f"the int8 target cannot run here: {grouped_int8.unavailable()}", module=True)
 
+ROOT = Path(__file__).resolve().parent.parent
 SEED = 3  # the draft's: one with which this pair yields every kind of token
 ROWS = [*range(1, 41), 64, 65, 100, 257]  # single steps, verify passes up to MAX_K + 1 + a tree, prompts
 
@@ -173,3 +179,34 @@ def test_a_cache_that_cannot_store_the_form_still_loads(tmp_path, monkeypatch):
         assert not list((tmp_path / "int8").iterdir())
     finally:
         (tmp_path / "int8").chmod(0o700)
+
+
+@pytest.mark.slow
+def test_a_killed_build_and_two_starts_at_once_each_get_the_kernel(tmp_path):
+    """A start killed mid-compile leaves nothing a later start waits for, and two starts at once on an empty cache
+    both get the kernel (torch's lock file in one build directory shared by every checkout once hung every later
+    start); a start after them loads the built module without compiling."""
+    env = dict(os.environ, SPECCONSOLE_CACHE=str(tmp_path))
+    load = [sys.executable, "-c", "from engine.exact.grouped_int8 import kernel; print(kernel().vnni_supported())"]
+    kernels = tmp_path / "kernels"
+    killed = subprocess.Popen(load, cwd=ROOT, env=env, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not list(kernels.glob(".build-*/lock")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert list(kernels.glob(".build-*/lock")), "the first start never began compiling"
+    os.killpg(killed.pid, signal.SIGKILL)  # the compiler with it, as a closed terminal does
+    killed.wait(30)
+
+    starts = [subprocess.Popen(load, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for _ in range(2)]
+    outputs = [p.communicate(timeout=900)[0] for p in starts]
+    assert [p.returncode for p in starts] == [0, 0], outputs
+    left = sorted(d.name for d in kernels.iterdir())
+    # the built module, and the killed start's directory (swept once it is STALE_BUILD_S old)
+    assert [n for n in left if not n.startswith(".build-")] == [f"grouped_int8-{grouped_int8.build_key()}"], left
+    assert len(left) == 2, left
+
+    again = subprocess.run(load, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.split()[-1:] == outputs[0].split()[-1:], (again.stdout, outputs[0])
+    assert sorted(d.name for d in kernels.iterdir()) == left  # loaded, not built again

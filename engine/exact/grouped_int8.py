@@ -21,8 +21,14 @@ and each activation by at most half of its group's max / 127. README says how it
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.util
 import logging
+import platform
 import shutil
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -46,19 +52,58 @@ def unavailable() -> str | None:
     return None
 
 
+NAME = "specconsole_grouped_int8"
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"]
+LDFLAGS = ["-fopenmp"]
+STALE_BUILD_S = 3600  # a private build directory this old was left by a start that was killed mid-compile
+
+
+def build_key() -> str:
+    """What the compiled module depends on: the source, torch, Python, the machine's kind and the flags."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(f"{torch.__version__} {sys.version_info[:2]} {platform.machine()} {CFLAGS} {LDFLAGS}".encode())
+    return h.hexdigest()[:16]
+
+
 @functools.cache
 def kernel():
-    """The compiled extension (ninja rebuilds it only when grouped_int8.cpp or torch changes)."""
+    """The compiled extension, built once per build_key() into the model cache and shared by every checkout.
+
+    Each build runs in a private directory renamed into place when it is done: two consoles that start at once
+    build twice at worst and never collide, and a start killed mid-compile leaves nothing a later one waits for
+    (torch's own lock file in one shared build directory did: every later start hung)."""
     from torch.utils.cpp_extension import load
 
     from engine.loading.weights import cache_dir
 
-    build = cache_dir() / "kernels" / f"grouped_int8-torch-{torch.__version__}"
-    build.mkdir(parents=True, exist_ok=True)
-    log.info("loading the int8 kernel (compiled into %s on first use: about a minute)", build)
-    return load("specconsole_grouped_int8", [str(SOURCE)], build_directory=str(build),
-                extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"],
-                extra_ldflags=["-fopenmp"])
+    kernels = cache_dir() / "kernels"
+    built = kernels / f"grouped_int8-{build_key()}"
+    library = built / f"{NAME}.so"
+    if library.exists():
+        return _import(library)
+    kernels.mkdir(parents=True, exist_ok=True)
+    for old in kernels.glob(".build-*"):
+        if time.time() - old.stat().st_mtime > STALE_BUILD_S:
+            shutil.rmtree(old, ignore_errors=True)
+    build = Path(tempfile.mkdtemp(prefix=".build-", dir=kernels))
+    log.info("compiling the int8 kernel into %s (once per machine: about a minute)", built)
+    try:
+        module = load(NAME, [str(SOURCE)], build_directory=str(build), extra_cflags=CFLAGS, extra_ldflags=LDFLAGS)
+    except BaseException:
+        shutil.rmtree(build, ignore_errors=True)
+        raise
+    try:
+        build.rename(built)  # atomic; fails when another start got there first, with the same module
+    except OSError:
+        shutil.rmtree(build, ignore_errors=True)
+    return module
+
+
+def _import(library: Path):
+    spec = importlib.util.spec_from_file_location(NAME, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def quantize(weight: torch.Tensor, chunk: int = 4096, levels: int = LEVELS
