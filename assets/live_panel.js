@@ -1,6 +1,6 @@
 // The token panels, grown in place. One hidden component (the panel feed) receives one small JSON message per update
 // for all of them (props.value):
-//   {panels: {engine: {run, start, tokens: [span html...], total, status, error, reset, final_html}}, ack, charts}
+//   {panels: {engine: {run, start, tokens: [span html...], total, status, error, reset, final_html}}, run, ack, charts}
 // and applies each to the panel `#<engine>-panel .live-panel`: new token spans are appended; spans already shown are
 // never re-created. `reset` (a re-classification) and a missed message (start beyond what is shown, repaired by the
 // last message's final_html) re-render once. One component rather than one per panel: the browser's work per update
@@ -31,6 +31,11 @@ function applyTo(root, m) {
   root.dataset.final = m.final_html !== undefined ? 'yes' : 'no';
 }
 
+// The charts are not redrawn as a run begins (their drawing is the page's largest cost; specconsole/tab_run.py):
+// until the run's first chart update they show the last run's, faded.
+const CHARTS = '#chart-steps, #chart-positions, #chart-tokens';
+let chartsRun = null;
+
 function apply() {
   if (!props.value) return;
   const update = JSON.parse(props.value);
@@ -39,6 +44,9 @@ function apply() {
     const root = document.querySelector('#' + engine + '-panel .live-panel');
     if (root) { applyTo(root, m); first = first || root; }
   }
+  const run = update.run ?? Object.values(update.panels)[0]?.run;
+  if (update.charts) chartsRun = run;
+  for (const chart of document.querySelectorAll(CHARTS)) chart.classList.toggle('stale-chart', run !== chartsRun);
   // `ack`: the next timed pass waits until this update is drawn (specconsole/page_drawn.py): once the page has no
   // work left (the charts draw after the panels, in later tasks), then after its next paint (a frame callback runs
   // before the paint, a task queued from it after). `charts`: the update also redraws the charts, and plotly draws

@@ -49,7 +49,8 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
             line = f'<div class="status-line">{escape(host.status())}</div>'
             return line, gr.Timer(active=not settled), *tab_run.backend_view(host)
 
-        timer.tick(model_status, outputs=[status, timer, *run.backend_outputs], show_progress="hidden")
+        timer.tick(model_status, outputs=[status, timer, *run.backend_outputs], show_progress="hidden",
+                   show_progress_on=[status])
     return app
 
 

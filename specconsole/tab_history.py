@@ -208,17 +208,20 @@ def build(history: History, tab: gr.Tab, show_rejected: gr.Checkbox, run_event) 
     # --- events ----------------------------------------------------------------------------------------------------
 
     history_page = [table, page_no, page_info]
-    run_event.then(history_table, [filter_cat, page_no], history_page)
-    refresh.click(history_table, [filter_cat, page_no], history_page)
-    filter_cat.change(history_table, filter_cat, history_page)  # a new filter starts at its first page
-    tab.select(history_table, [filter_cat, page_no], history_page)
-    newer.click(lambda c, p: history_table(c, (p or 1) - 1), [filter_cat, page_no], history_page)
-    older.click(lambda c, p: history_table(c, (p or 1) + 1), [filter_cat, page_no], history_page)
-    page_no.submit(history_table, [filter_cat, page_no], history_page)
-    table.select(select_row, [table, selected], [selected, opened_id])
+    # each event shows its progress on one small component: Gradio's page re-reads every component any event showed
+    # progress on, on each update of a run in the Run tab (this table too; docs/page-cost.md)
+    on_page, on_run = dict(show_progress_on=[page_info]), dict(show_progress_on=[info])
+    run_event.then(history_table, [filter_cat, page_no], history_page, **on_page)
+    refresh.click(history_table, [filter_cat, page_no], history_page, **on_page)
+    filter_cat.change(history_table, filter_cat, history_page, **on_page)  # a new filter starts at its first page
+    tab.select(history_table, [filter_cat, page_no], history_page, **on_page)
+    newer.click(lambda c, p: history_table(c, (p or 1) - 1), [filter_cat, page_no], history_page, **on_page)
+    older.click(lambda c, p: history_table(c, (p or 1) + 1), [filter_cat, page_no], history_page, **on_page)
+    page_no.submit(history_table, [filter_cat, page_no], history_page, **on_page)
+    table.select(select_row, [table, selected], [selected, opened_id], **on_run)
     open_btn.click(open_run, [opened_id, show_rejected],
-                   [old_base, old_spec, old_figures, old_steps, old_pos, old_tokens, info])
-    delete_btn.click(delete_runs, [selected, filter_cat, page_no], [selected, *history_page])
+                   [old_base, old_spec, old_figures, old_steps, old_pos, old_tokens, info], **on_run)
+    delete_btn.click(delete_runs, [selected, filter_cat, page_no], [selected, *history_page], **on_page)
     # one export of a kind at a time: the next one empties the folder Gradio copies the last one's files from
     export_sel.click(export_selected, selected, files, concurrency_limit=1)
     export_all.click(export_everything, selected, files, concurrency_limit=1)

@@ -114,14 +114,16 @@ def outputs_of(feed=None, figures=None, plots=None) -> tuple:
             *(plots or (gr.skip(),) * 3))
 
 
-def feed_of(messages: dict, ack: int | None = None, charts: bool = False) -> str | None:
+def feed_of(messages: dict, ack: int | None = None, charts: bool = False, run: str | None = None) -> str | None:
     """The panel feed's value for one update: each live panel's message (engine -> PanelFeed.message, None where the
     panel does not change), and `ack` (specconsole.page_drawn) for the page to answer once it drew the update (with
-    `charts`, the charts too); None when no panel changes (the page then has nothing that would answer)."""
+    `charts`, the charts too); None when nothing changes. `run` (the panels' run) with `charts`: the page shows
+    the charts as the run's, not faded, even when no panel changes (assets/live_panel.js)."""
     panels = {engine: json.loads(m) for engine, m in messages.items() if m is not None}
-    if not panels:
+    if not panels and not (charts and run):
         return None
-    return json.dumps({"panels": panels} | ({} if ack is None else {"ack": ack}) | ({"charts": True} if charts else {}))
+    return json.dumps({"panels": panels} | ({} if run is None else {"run": run}) | ({} if ack is None else {"ack": ack})
+                      | ({"charts": True} if charts else {}))
 
 
 def notices(engines, message: str) -> str | None:
@@ -198,7 +200,10 @@ def _stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
     feeds = {e: PanelFeed(panel_run, show_rejected and e != "baseline") for e in comp.engines}
     acks = ACKS.open(panel_run) if mode == "fair" else None
     every = PANEL_WHILE_TIMED_S if comp.timed_while_streaming else PANEL_EVERY_S
-    last_panel = last_figures = last_chart = 0.0
+    # no chart update as the run begins (there is nothing to chart yet, and the three charts' drawing was the
+    # browser's largest single cost): the page fades the last run's charts until the first, CHART_EVERY_S in
+    last_panel = last_figures = 0.0
+    last_chart = time.monotonic()
     try:
         while True:
             done = comp.poll(timeout=every)
@@ -223,7 +228,7 @@ def _stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
             last_panel = now
             last_figures, last_chart = (now if figures_due else last_figures), (now if chart_due else last_chart)
             asked = not done and acks is not None and acks.trusted and any(m is not None for m in panels.values())
-            feed = feed_of(panels, ACKS.expect(acks) if asked else None, charts=plots is not None)
+            feed = feed_of(panels, ACKS.expect(acks) if asked else None, charts=plots is not None, run=panel_run)
             try:
                 # Gradio postprocesses the update (plotly's JSON, the diff to the last one) and sends it to the
                 # browser before it asks for the next one; the browser then draws it and says so
@@ -452,12 +457,15 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
     outputs = [feed, figures, chart_steps, chart_pos, chart_tokens]
     # no progress overlay: its animation would cost the browser CPU during the very run it shows
     # RUN_HANDLERS handlers: one runs, the others wait in run() for host.lock and say that they are queued
-    layout_event = run_btn.click(plan, inputs, [*extra_columns, *extra_headings], queue=False, show_progress="hidden")
+    # Gradio's page re-reads (get_data), on every update of a run, each component any event showed progress on, the
+    # charts among them: every event names one small component to show progress on (docs/page-cost.md)
+    layout_event = run_btn.click(plan, inputs, [*extra_columns, *extra_headings], queue=False, show_progress="hidden",
+                                 show_progress_on=[feed])
     run_event = layout_event.then(run, inputs, outputs, concurrency_limit=RUN_HANDLERS, concurrency_id="runs",
-                                  show_progress="hidden")
+                                  show_progress="hidden", show_progress_on=[feed])
     stop_btn.click(stop, None, None, concurrency_limit=None)
-    category.change(pick_category, category, [example, prompt, temperature])
-    example.input(pick_example, [category, example], [prompt, temperature])
+    category.change(pick_category, category, [example, prompt, temperature], show_progress_on=[example])
+    example.input(pick_example, [category, example], [prompt, temperature], show_progress_on=[example])
     vllm_apply.click(reconfigure_vllm, [vllm_method, vllm_k, vllm_draft], vllm_status, concurrency_limit=1,
                      concurrency_id="engines")
 

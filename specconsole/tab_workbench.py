@@ -172,10 +172,12 @@ def build(host: ModelHost, history: History, tab: gr.Tab, settings: RunSettings)
                     s.confidence, s.draft_vocab, s.fallback, s.top_p, s.seed, s.mode, suite_repeats]
     suite_outputs = [suite_status, suite_id_box, suite_table, suite_speed, suite_acc, suite_lat, suite_conc,
                      advice_md]
+    # progress on one component each: Gradio's page re-reads every component any event showed progress on, on each
+    # update of a run in the Run tab (docs/page-cost.md)
     suite_event = suite_btn.click(run_suite_ui, suite_inputs, suite_outputs, concurrency_limit=1,
-                                  concurrency_id="engines")
-    suite_event.then(suite_choices, None, [ab_a, ab_b])
+                                  concurrency_id="engines", show_progress_on=[suite_status])
+    suite_event.then(suite_choices, None, [ab_a, ab_b], show_progress_on=[ab_text])
     suite_stop.click(stop_suite, None, None, concurrency_limit=None)
     export_btn.click(export, suite_id_box, suite_files, concurrency_limit=1)  # see ExportFolder
-    tab.select(suite_choices, None, [ab_a, ab_b])
-    ab_btn.click(compare_suites, [ab_a, ab_b], [ab_table, ab_plot, ab_text])
+    tab.select(suite_choices, None, [ab_a, ab_b], show_progress_on=[ab_text])
+    ab_btn.click(compare_suites, [ab_a, ab_b], [ab_table, ab_plot, ab_text], show_progress_on=[ab_text])

@@ -153,6 +153,8 @@ COUNT_REDRAWS = """() => {
 TAG_FIRST_TOKENS = """() => {
     window.first = {};
     window.tagged = {};
+    window.firstAt = {};
+    window.staleAtFirst = {};
     for (const id of ['baseline-panel', 'speculative-panel']) {
         const root = document.querySelector('#' + id + ' .live-panel');
         const observer = new MutationObserver(() => {
@@ -160,6 +162,8 @@ TAG_FIRST_TOKENS = """() => {
             if (!token) return;
             window.first[id] = token;
             window.tagged[id] = root.querySelectorAll('.tok').length;
+            window.firstAt[id] = performance.now();
+            window.staleAtFirst[id] = document.querySelectorAll('.stale-chart').length;
             observer.disconnect();
         });
         observer.observe(root, {childList: true, subtree: true});
@@ -169,9 +173,10 @@ TAG_FIRST_TOKENS = """() => {
 
 def test_live_panels_append_and_charts_throttle(console, page):
     """The page must not take the CPU it measures: tokens already shown are never re-created by later updates, and
-    each chart is updated at most about once a second during a run. Nor is the page starved: it gets its turn
-    between passes, so its chart updates keep up with the engines, counted in their passes (on a fast machine: in
-    seconds of their own clocks), not in wall-clock seconds, which a busy machine stretches for the page."""
+    each chart is updated at most once every CHART_EVERY_S during a run, and not as it begins. Nor is the page
+    starved: it gets its turn between passes, so its chart updates keep up with the engines, counted in their passes
+    (on a fast machine: in seconds of their own clocks), not in wall-clock seconds, which a busy machine stretches
+    for the page."""
     url, db = console
     open_console(page, url)
     set_run(page, "Write a long story about a dragon who learns to bake bread.", 96)
@@ -194,6 +199,14 @@ def test_live_panels_append_and_charts_throttle(console, page):
     assert page.evaluate("Object.keys(localStorage).filter(k => k.startsWith('gradio:run-history'))") == []
     redraws = page.evaluate("window.redraws")
     seconds = (end - start) / 1000
+    # the charts are not redrawn as a run begins, only CHART_EVERY_S in (the server's clock starts after the click):
+    # until then they show the last run's, faded, and none is faded once the run has ended
+    first_token = min(page.evaluate("Object.values(window.firstAt)"))
+    early = [r for r in redraws if r["t"] < first_token]
+    assert all(r["t"] - start >= CHART_EVERY_S * 1000 for r in early), early
+    if not early:
+        assert page.evaluate("Object.values(window.staleAtFirst)") == [3, 3]
+    assert page.locator(".stale-chart").count() == 0
     for chart in ("chart-steps", "chart-positions", "chart-tokens"):
         drawn = [r for r in redraws if r["chart"] == chart]
         assert drawn, f"{chart} was never redrawn"

@@ -73,3 +73,30 @@ def test_a_runs_updates_name_few_components(tmp_path):
                                                   "chart-tokens"]
     (plan,) = [f for f in app.fns.values() if f.name == "plan"]
     assert len(plan.outputs) == 2 * MAX_EXTRA and not plan.queue  # columns and headings, at once
+
+
+def test_every_event_shows_progress_on_one_component(tmp_path):
+    """Gradio's page re-reads, on every update a run streams, each component that any event shows its progress on
+    (by default: all of the event's outputs, the three charts and the History table among them; docs/page-cost.md):
+    each event names at most one, and the run's is its panel feed."""
+    from specconsole.app import build
+    from specconsole.host import ModelHost
+
+    app = build(ModelHost("not loaded", lambda p: None), History(tmp_path / "h.db"))
+    shown = {f"{f.name} #{i}": f.show_progress_on or f.outputs for i, f in enumerate(app.fns.values())}
+    assert {name: len(targets) for name, targets in shown.items() if len(targets) > 1} == {}
+    by_name = {f.name: f for f in app.fns.values()}
+    assert [getattr(c, "elem_id", None) for c in by_name["run"].show_progress_on] == ["panel-feed"]
+    assert by_name["plan"].show_progress_on == by_name["run"].show_progress_on
+
+
+def test_a_chart_update_reaches_the_page_without_a_panel_change():
+    """The page fades the last run's charts until the run's first chart update (assets/live_panel.js): an update
+    that carries only charts still names the run, or the charts would stay faded."""
+    import json
+
+    from specconsole.tab_run import feed_of
+
+    assert feed_of({"baseline": None, "speculative": None}, run="r1") is None  # nothing changes
+    assert json.loads(feed_of({"baseline": None}, charts=True, run="r1")) == {"panels": {}, "run": "r1",
+                                                                             "charts": True}
