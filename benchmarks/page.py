@@ -15,8 +15,9 @@ page) and in the console (launch.py on a free loopback port, a fresh history fil
 The same comparison then runs `--runs` times in the page and `--runs` times through the API, in pairs (the order
 reversed on odd pairs, after a warm-up pair), so that the machine's drift falls on both alike. Each page run
 records the browser's CPU seconds per wall second (all its processes), the console process's, and the engines'
-tokens/s as the console saved them. Prints medians and the ratios page / API; nothing here is a test. Two copies
-of the default preset take about 14 GiB.
+tokens/s as the console saved them. Prints medians, the ratios page / API, and issue 28's targets judged by 95 %
+intervals over the pairs (met, not met, or cannot tell); nothing here is a test. Two copies of the default preset
+take about 14 GiB.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pathlib import Path
 
 import psutil
 
+from engine.analysis.stats import against_target, bootstrap_ci, ratio_ci
 from engine.setup import setup
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,6 +52,13 @@ RUN_ENDED = """([before, ids]) => ids.every(id => {
     const panel = document.querySelector(id + ' .live-panel');
     return panel.dataset.run !== before && panel.dataset.final === 'yes';
 })"""
+
+
+# issue 28: (figure, its name, floor, ceiling); the ratios are page / API
+TARGETS = (("baseline_tps", "baseline tok/s, page / API", 0.95, None),
+           ("speculative_tps", "speculative tok/s, page / API", 0.95, None),
+           ("speedup", "speedup, page / API", 0.95, 1.05),
+           ("browser_cores", "browser CPU during a run (cores)", None, 0.15))
 
 
 def cpu_seconds(procs: list[psutil.Process]) -> float:
@@ -334,6 +343,17 @@ def main(argv=None) -> int:
                 out.write(f"| {name} | {a:.1f} | {b:.1f} | {a / b:.2f} |\n")
     out.write(f"| runs marked noisy | {sum(bool(r['noisy']) for r in page)}/{len(page)} | "
               f"{sum(bool(r['noisy']) for r in api)}/{len(api)} | |\n")
+    out.write("\nissue 28's targets, judged by 95 % intervals (percentile bootstrap over the pairs; a ratio: page / API "
+              "within each pair, so that the machine's drift between pairs cancels):\n\n"
+              "| figure | median | 95 % interval | target | verdict |\n| --- | --- | --- | --- | --- |\n")
+    for key, name, floor, ceiling in TARGETS:
+        if key == "browser_cores":
+            point, low, high = bootstrap_ci([r[key] for r in page])
+        else:
+            point, low, high = ratio_ci([r[key] for r in api], [r[key] for r in page], paired=True)
+        target = f"≤ {ceiling}" if floor is None else f"≥ {floor}" if ceiling is None else f"{floor}-{ceiling}"
+        out.write(f"| {name} | {point:.3f} | [{low:.3f}, {high:.3f}] | {target} | "
+                  f"{against_target(low, high, floor, ceiling)} |\n")
     out.write("browser cores per run: " + ", ".join(f"{r['browser_cores']:.3f}" for r in page) + "\n")
     if all(r["others_baseline"] is not None for r in page):
         out.write("others during the baseline's / speculative engine's passes per page run: " + ", ".join(

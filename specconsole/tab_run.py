@@ -52,6 +52,7 @@ PANEL_EVERY_S = 0.2
 PANEL_WHILE_TIMED_S = 0.5
 FIGURES_EVERY_S = 1.0
 CHART_EVERY_S = 5.0
+STARTING = "starting…"  # a panel's status until its first update
 QUEUED = ("Queued behind another run: runs go one at a time, because the timings of concurrent runs would share "
           "the CPU. This one starts when that one ends (Stop cancels it).")
 ONE_AT_A_TIME = ("Runs go one at a time (also across browser tabs): the timings of concurrent runs would share the "
@@ -194,8 +195,9 @@ def compare_choices(backend):
 
 
 def _stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
-    """The run's updates, throttled (PANEL_EVERY_S or PANEL_WHILE_TIMED_S, FIGURES_EVERY_S, CHART_EVERY_S), until it
-    ends. In fair mode the next timed pass waits until the browser said it drew the last update
+    """Starts the comparison and yields its updates, throttled (PANEL_EVERY_S or PANEL_WHILE_TIMED_S,
+    FIGURES_EVERY_S, CHART_EVERY_S), until it ends. In fair mode the first turn waits until the browser said it drew
+    the run's start (the panels emptied), and each next timed pass until it drew the last update
     (specconsole.page_drawn)."""
     feeds = {e: PanelFeed(panel_run, show_rejected and e != "baseline") for e in comp.engines}
     acks = ACKS.open(panel_run) if mode == "fair" else None
@@ -205,6 +207,19 @@ def _stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
     last_panel = last_figures = 0.0
     last_chart = time.monotonic()
     try:
+        if acks is not None:
+            # the first turn waits until the page has drawn the run's start (the click, the last run's panels
+            # emptied): that drawing fell in the first engine's first timed turn, the baseline's prefill
+            comp.page_idle.clear()
+        comp.start()
+        if acks is not None:
+            try:
+                opening = {e: feeds[e].message([], STARTING) for e in comp.engines}
+                yield outputs_of(feed_of(opening, ACKS.expect(acks), run=panel_run))
+                if not ACKS.wait(acks):
+                    time.sleep(SETTLE_S)
+            finally:
+                comp.page_idle.set()
         while True:
             done = comp.poll(timeout=every)
             now = time.monotonic()
@@ -312,9 +327,8 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
             comp = Comparison(host.backend, req, mode, history, run_meta(host.backend, req) | {"category": category},
                               extra=extra, label=speculative.label)
             active[session] = comp
-            comp.start()
             try:
-                yield from _stream(comp, panel_run, mode, show_rejected)
+                yield from _stream(comp, panel_run, mode, show_rejected)  # starts it
             finally:
                 comp.cancel.set()  # a closed tab or an error must not leave the engines running
                 active.pop(session, None)

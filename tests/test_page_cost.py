@@ -114,6 +114,28 @@ def test_the_browser_draws_between_passes(console, page):
     assert ACKS.answered - answered >= 4, "the page streamed updates that nobody waited for"
 
 
+def test_the_runs_start_is_drawn_before_the_first_turn(console, backend, page, monkeypatch):
+    """The page's drawing of a run's start (the click, the last run's panels emptied) used to land in the first
+    engine's first timed turn, the baseline's prefill. Now the first turn waits for the browser's word that it drew
+    the run's start: when the baseline's stream is first asked for its pass, the page has answered once already."""
+    url, history = console
+    at_first_pass = []
+    baseline = backend.baseline
+
+    def watched(*args, **kwargs):
+        at_first_pass.append(ACKS.answered)  # a generator's body runs at its first next(): the first turn
+        yield from baseline(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "baseline", watched)
+    page.goto(url)
+    page.wait_for_selector("#model-status:has-text('Ready')", timeout=60_000)
+    set_run(page, PROMPT, 16)
+    before = ACKS.answered
+    page.click("#run")
+    page.wait_for_selector("#baseline-panel .live-panel[data-final='yes']", timeout=300_000)
+    assert at_first_pass and at_first_pass[0] > before, (before, at_first_pass)
+
+
 # Every chart draw the page makes, and whether the run's last word was already said when it made it (a draw after
 # the word falls in the engines' next pass). Plotly is wrapped as Gradio's chart loads it (it sets window.Plotly).
 COUNT_DRAWS = """window.chart_draws = [];

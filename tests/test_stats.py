@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from engine.analysis.stats import bootstrap_ci, log_spread, prompts_needed, ratio_ci
+from engine.analysis.stats import against_target, bootstrap_ci, log_spread, prompts_needed, ratio_ci
 
 RNG = np.random.default_rng(7)
 SPEEDUPS = {n: RNG.lognormal(0.2, 0.3, n) for n in (5, 8, 20)}  # skewed, like per-prompt speedups
@@ -78,3 +78,16 @@ def test_prompts_needed_by_hand():
     assert prompts_needed([0.9, 1.14]) is None and prompts_needed([1.0, 1.0]) is None
     with pytest.raises(ValueError):
         prompts_needed([1.3])
+
+
+@pytest.mark.parametrize("low, high, floor, ceiling, expected", [
+    (0.96, 1.04, 0.95, 1.05, "met"),  # the whole interval inside
+    (0.93, 1.01, 0.95, 1.05, "cannot tell"),  # straddles the floor
+    (0.97, 1.08, 0.95, 1.05, "cannot tell"),  # straddles the ceiling
+    (1.06, 1.20, 0.95, 1.05, "not met"),  # all above the ceiling
+    (0.80, 0.94, 0.95, None, "not met"),  # a floor only: all below
+    (0.95, 3.00, 0.95, None, "met"),  # a bound is inclusive
+    (0.10, 0.14, None, 0.15, "met"),  # a ceiling only (the browser's cores)
+])
+def test_against_target(low, high, floor, ceiling, expected):
+    assert against_target(low, high, floor, ceiling) == expected

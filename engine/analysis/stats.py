@@ -72,6 +72,16 @@ def ratio_ci(a: Sequence[float], b: Sequence[float], paired: bool, confidence: f
     return point, low, high
 
 
+def against_target(low: float, high: float, floor: float | None = None, ceiling: float | None = None) -> str:
+    """A target judged by an interval [low, high]: "met" when all of it lies within [floor, ceiling] (None: no bound
+    on that side), "not met" when all of it lies outside, else "cannot tell" (more runs would be needed)."""
+    floor = -math.inf if floor is None else floor
+    ceiling = math.inf if ceiling is None else ceiling
+    if floor <= low and high <= ceiling:
+        return "met"
+    return "not met" if high < floor or low > ceiling else "cannot tell"
+
+
 def log_spread(values: Sequence[float]) -> float:
     """Standard deviation of the log speedups across prompts: the spread, on the scale where 0.5x and 2x are as far
     from 1x."""
