@@ -194,6 +194,18 @@ def compare_choices(backend):
                           "ngram:k=2,ngram:k=6` (or attach more with `--vllm-attach BASE,SPEC,SPEC2,...`)")
 
 
+def _hand_over(comp: Comparison, update, acks):
+    """Yields one update to Gradio, which postprocesses it (plotly's JSON, the diff to the last one) and sends it to
+    the browser before it asks for the next one; then waits for the browser's word that it drew it (`acks`: the run's
+    acknowledgements, None when none was asked for) or SETTLE_S, and lets the next timed pass go (page_idle)."""
+    try:
+        yield update
+        if not (acks is not None and ACKS.wait(acks)):
+            time.sleep(SETTLE_S)
+    finally:
+        comp.page_idle.set()
+
+
 def _stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
     """Starts the comparison and yields its updates, throttled (PANEL_EVERY_S or PANEL_WHILE_TIMED_S,
     FIGURES_EVERY_S, CHART_EVERY_S), until it ends. In fair mode the first turn waits until the browser said it drew
@@ -213,13 +225,8 @@ def _stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
             comp.page_idle.clear()
         comp.start()
         if acks is not None:
-            try:
-                opening = {e: feeds[e].message([], STARTING) for e in comp.engines}
-                yield outputs_of(feed_of(opening, ACKS.expect(acks), run=panel_run))
-                if not ACKS.wait(acks):
-                    time.sleep(SETTLE_S)
-            finally:
-                comp.page_idle.set()
+            opening = {e: feeds[e].message([], STARTING) for e in comp.engines}
+            yield from _hand_over(comp, outputs_of(feed_of(opening, ACKS.expect(acks), run=panel_run)), acks)
         while True:
             done = comp.poll(timeout=every)
             now = time.monotonic()
@@ -244,14 +251,8 @@ def _stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
             last_figures, last_chart = (now if figures_due else last_figures), (now if chart_due else last_chart)
             asked = not done and acks is not None and acks.trusted and any(m is not None for m in panels.values())
             feed = feed_of(panels, ACKS.expect(acks) if asked else None, charts=plots is not None, run=panel_run)
-            try:
-                # Gradio postprocesses the update (plotly's JSON, the diff to the last one) and sends it to the
-                # browser before it asks for the next one; the browser then draws it and says so
-                yield outputs_of(feed, figures if figures_due else None, plots)
-                if not (asked and ACKS.wait(acks)):
-                    time.sleep(SETTLE_S)
-            finally:
-                comp.page_idle.set()
+            update = outputs_of(feed, figures if figures_due else None, plots)
+            yield from _hand_over(comp, update, acks if asked else None)
             if done:
                 break
     finally:
