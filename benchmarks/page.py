@@ -16,8 +16,9 @@ The same comparison then runs `--runs` times in the page and `--runs` times thro
 reversed on odd pairs, after a warm-up pair), so that the machine's drift falls on both alike. Each page run
 records the browser's CPU seconds per wall second (all its processes), the console process's, and the engines'
 tokens/s as the console saved them. Prints medians, the ratios page / API, and issue 28's targets judged by 95 %
-intervals over the pairs (met, not met, or cannot tell); nothing here is a test. Two copies of the default preset
-take about 14 GiB.
+intervals over the pairs (met, not met, or cannot tell), and where each engine's run time went (prefill, the
+later passes, the rest); nothing here is a test. Two copies of the default preset take about 14 GiB in float32
+(int4: a few GiB).
 """
 
 from __future__ import annotations
@@ -171,8 +172,9 @@ def _latest_run(db: Path) -> dict:
                                   "AND engine = ? ORDER BY step", (row["id"], engine)).fetchall()
              for engine in ("baseline", "speculative")}
     conn.close()
+    metrics = {e: json.loads(row[f"{e}_metrics"] or "{}") for e in ("baseline", "speculative")}
     return {"baseline_tps": row["baseline_tps"], "speculative_tps": row["speculative_tps"], "status": row["status"],
-            "noisy": row["noisy"], **_disturbance(machine), **_pass_costs(steps)}
+            "noisy": row["noisy"], **_disturbance(machine), **_pass_costs(steps), **_time_split(metrics, steps)}
 
 
 def _pass_costs(steps: dict) -> dict:
@@ -190,6 +192,26 @@ def _pass_costs(steps: dict) -> dict:
         out["draft_ms_per_token"] = sum(r[3] for r in spec) / drafted
     if spec:
         out["tokens_per_pass"] = sum(r[2] for r in spec) / len(spec)
+    return out
+
+
+def _time_split(metrics: dict, steps: dict) -> dict:
+    """Where an engine's run time went, in ms: `{engine}_prefill_ms` (the prompt's pass), `{engine}_passes_ms` (the
+    later passes' draft and verify time, the sum) and `{engine}_outside_ms` (the rest of the run: streaming, the
+    engine's own bookkeeping, waiting for the CPU between passes). tok/s is output tokens / run time, so a page/API
+    tok/s ratio below 1 shows up in one of the three. An engine that does not time its passes (llama.cpp's
+    speculative server) gives passes 0, and outside then holds its decoding. `metrics`: engine -> run metrics
+    (engine.metrics.run_metrics); `steps`: engine -> (step, drafted, emitted, draft_ms, verify_ms) rows."""
+    out = {}
+    for engine, m in metrics.items():
+        n, tps = m.get("output_tokens"), m.get("tokens_per_s")
+        if not (n and tps):
+            continue
+        total = 1000 * n / tps
+        prefill = m.get("prefill_ms") or 0.0
+        passes = sum(r[3] + r[4] for r in steps.get(engine, []) if r[0] > 0)
+        out |= {f"{engine}_prefill_ms": prefill, f"{engine}_passes_ms": passes,
+                f"{engine}_outside_ms": total - prefill - passes}
     return out
 
 
@@ -262,7 +284,8 @@ def api_session(args):
                      for e in ("baseline", "speculative")}
             return {"baseline_tps": r["baseline"].metrics["tokens_per_s"],
                     "speculative_tps": r["speculative"].metrics["tokens_per_s"], "noisy": comp.machine.get("noisy"),
-                    **_disturbance(comp.machine), **_pass_costs(steps)}
+                    **_disturbance(comp.machine), **_pass_costs(steps),
+                    **_time_split({e: r[e].metrics for e in steps}, steps)}
 
         yield run
     finally:
@@ -341,6 +364,14 @@ def main(argv=None) -> int:
             a, b = med(page, key), med(api, key)
             if b:  # a server that does not time its passes (llama.cpp's speculative engine) gives 0
                 out.write(f"| {name} | {a:.1f} | {b:.1f} | {a / b:.2f} |\n")
+    # where the run time went (medians per run; a tok/s ratio below 1 is more time in one of these)
+    for engine in ("baseline", "speculative"):
+        for part, name in (("prefill", "prefill"), ("passes", "later passes, their sum"),
+                           ("outside", "outside the passes")):
+            key = f"{engine}_{part}_ms"
+            if all(key in r for r in page + api) and med(api, key) > 0:
+                a, b = med(page, key), med(api, key)
+                out.write(f"| {engine}: ms of the run in {name} | {a:.0f} | {b:.0f} | {a / b:.2f} |\n")
     out.write(f"| runs marked noisy | {sum(bool(r['noisy']) for r in page)}/{len(page)} | "
               f"{sum(bool(r['noisy']) for r in api)}/{len(api)} | |\n")
     out.write("\nissue 28's targets, judged by 95 % intervals (percentile bootstrap over the pairs; a ratio: page / API "
