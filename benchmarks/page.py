@@ -17,8 +17,8 @@ reversed on odd pairs, after a warm-up pair), so that the machine's drift falls 
 records the browser's CPU seconds per wall second (all its processes), the console process's, and the engines'
 tokens/s as the console saved them. Prints medians, the ratios page / API, and issue 28's targets judged by 95 %
 intervals over the pairs (met, not met, or cannot tell), and where each engine's run time went (prefill, the
-later passes, the rest); nothing here is a test. Two copies of the default preset take about 14 GiB in float32
-(int4: a few GiB).
+later passes, the rest); nothing here is a test. Two copies of the default preset take about 14 GiB in float32, less
+with the int4 target.
 """
 
 from __future__ import annotations
@@ -366,12 +366,12 @@ def main(argv=None) -> int:
                 out.write(f"| {name} | {a:.1f} | {b:.1f} | {a / b:.2f} |\n")
     # where the run time went (medians per run; a tok/s ratio below 1 is more time in one of these)
     for engine in ("baseline", "speculative"):
-        for part, name in (("prefill", "prefill"), ("passes", "later passes, their sum"),
-                           ("outside", "outside the passes")):
+        for part, name in (("prefill", "ms in the prefill"), ("passes", "ms in the later passes (their sum)"),
+                           ("outside", "ms outside the passes")):
             key = f"{engine}_{part}_ms"
             if all(key in r for r in page + api) and med(api, key) > 0:
                 a, b = med(page, key), med(api, key)
-                out.write(f"| {engine}: ms of the run in {name} | {a:.0f} | {b:.0f} | {a / b:.2f} |\n")
+                out.write(f"| {engine}: {name} | {a:.0f} | {b:.0f} | {a / b:.2f} |\n")
     out.write(f"| runs marked noisy | {sum(bool(r['noisy']) for r in page)}/{len(page)} | "
               f"{sum(bool(r['noisy']) for r in api)}/{len(api)} | |\n")
     out.write("\nissue 28's targets, judged by 95 % intervals (percentile bootstrap over the pairs; a ratio: page / API "
