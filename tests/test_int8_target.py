@@ -210,3 +210,17 @@ def test_a_killed_build_and_two_starts_at_once_each_get_the_kernel(tmp_path):
     assert again.returncode == 0, again.stderr
     assert again.stdout.split()[-1:] == outputs[0].split()[-1:], (again.stdout, outputs[0])
     assert sorted(d.name for d in kernels.iterdir()) == left  # loaded, not built again
+
+
+@pytest.mark.slow
+def test_a_build_leaves_the_build_key_as_it_was(tmp_path):
+    """torch's load() appends its libraries to the flag list it is given: given ours, it changed build_key() in the
+    process that compiled, and that process then named the built module differently from every other start."""
+    env = dict(os.environ, SPECCONSOLE_CACHE=str(tmp_path))
+    code = ("from engine.exact import grouped_int8 as g; before = g.build_key(); g.kernel(); "
+            "print(before, g.build_key())")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    before, after = out.stdout.split()[-2:]
+    assert before == after
+    assert (tmp_path / "kernels" / f"grouped_int8-{before}").is_dir()

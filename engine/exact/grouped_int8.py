@@ -88,7 +88,9 @@ def kernel():
     build = Path(tempfile.mkdtemp(prefix=".build-", dir=kernels))
     log.info("compiling the int8 kernel into %s (once per machine: about a minute)", built)
     try:
-        module = load(NAME, [str(SOURCE)], build_directory=str(build), extra_cflags=CFLAGS, extra_ldflags=LDFLAGS)
+        # copies: torch's load() appends its own libraries to the list it is given, which changed build_key()
+        module = load(NAME, [str(SOURCE)], build_directory=str(build), extra_cflags=list(CFLAGS),
+                      extra_ldflags=list(LDFLAGS))
     except BaseException:
         shutil.rmtree(build, ignore_errors=True)
         raise
