@@ -36,6 +36,16 @@ function applyTo(root, m) {
 const CHARTS = '#chart-steps, #chart-positions, #chart-tokens';
 let chartsRun = null;
 
+// Gradio's plot component mounts a new plotly graph for each new value and leaves the old one to plotly, whose
+// listeners keep it alive: about 600 DOM nodes and 150 listeners more per comparison (docs/page-cost.md). Each chart
+// update purges the graphs that have left the page since the last one.
+let graphs = [];
+function purgeLeftGraphs() {
+  if (!window.Plotly) return;
+  for (const gd of graphs) if (!gd.isConnected) window.Plotly.purge(gd);
+  graphs = [...document.querySelectorAll('.js-plotly-plot')];
+}
+
 function apply() {
   if (!props.value) return;
   const update = JSON.parse(props.value);
@@ -45,7 +55,7 @@ function apply() {
     if (root) { applyTo(root, m); first = first || root; }
   }
   const run = update.run ?? Object.values(update.panels)[0]?.run;
-  if (update.charts) chartsRun = run;
+  if (update.charts) { chartsRun = run; purgeLeftGraphs(); }
   for (const chart of document.querySelectorAll(CHARTS)) chart.classList.toggle('stale-chart', run !== chartsRun);
   // `ack`: the next timed pass waits until this update is drawn (specconsole/page_drawn.py): once the page has no
   // work left (the charts draw after the panels, in later tasks), then after its next paint (a frame callback runs
