@@ -14,8 +14,9 @@ The backend is built twice, the same way: in this process (the API: specconsole.
 page) and in the console (launch.py on a free loopback port, a fresh history file), which Debian's Chromium shows.
 The same comparison then runs `--runs` times in the page and `--runs` times through the API, in pairs (the order
 reversed on odd pairs, after a warm-up pair), so that the machine's drift falls on both alike. Each page run
-records the browser's CPU seconds per wall second (all its processes), the console process's, and the engines'
-tokens/s as the console saved them. Prints medians, the ratios page / API, and issue 28's targets judged by 95 %
+records the browser's CPU seconds per wall second (all its processes), the console process's, the engines'
+tokens/s as the console saved them, and what the page holds once the browser has collected its garbage (DOM nodes,
+listeners, JavaScript heap: their growth per run is what the page keeps). Prints medians, the ratios page / API, and issue 28's targets judged by 95 %
 intervals over the pairs (met, not met, or cannot tell), and where each engine's run time went (prefill, the
 later passes, the rest); nothing here is a test. Two copies of the default preset take about 14 GiB in float32, less
 with the int4 target.
@@ -136,6 +137,8 @@ def page_session(args):
             if args.presenter:
                 page.click("#present-toggle")
             console_proc = psutil.Process(console.pid)
+            devtools = page.context.new_cdp_session(page)
+            devtools.send("Performance.enable")
 
             def run() -> dict:
                 browser_procs = browser_processes(console.pid)
@@ -149,13 +152,23 @@ def page_session(args):
                 k1, c1 = cpu_by_kind(browser_processes(console.pid)), cpu_seconds([console_proc])
                 kinds = {kind: (k1[kind] - k0.get(kind, 0.0)) / wall for kind in k1}
                 return _latest_run(db) | {"browser_cores": (sum(k1.values()) - sum(k0.values())) / wall,
-                                          "browser_kinds": kinds, "console_cores": (c1 - c0) / wall, "wall_s": wall}
+                                          "browser_kinds": kinds, "console_cores": (c1 - c0) / wall, "wall_s": wall,
+                                          **_kept(devtools)}
 
             yield run
             browser.close()
     finally:
         console.terminate()
         console.wait(60)
+
+
+def _kept(devtools) -> dict:
+    """What the page holds after a run, once the browser has collected its garbage: DOM nodes (detached ones
+    included), event listeners, JavaScript heap (MB). Grown from run to run, it is what the page keeps."""
+    devtools.send("HeapProfiler.collectGarbage")
+    metrics = {m["name"]: m["value"] for m in devtools.send("Performance.getMetrics")["metrics"]}
+    return {"page_nodes": metrics["Nodes"], "page_listeners": metrics["JSEventListeners"],
+            "page_heap_mb": metrics["JSHeapUsedSize"] / 2**20}
 
 
 def _latest_run(db: Path) -> dict:
@@ -338,6 +351,11 @@ def main(argv=None) -> int:
               f"{args.runs} runs per phase after a warm-up; machine: {machine()}; {time.strftime('%Y-%m-%d')}\n")
     out.write("| figure | page | API | page / API |\n| --- | --- | --- | --- |\n")
     out.write(f"| browser CPU during a run (cores) | {med(page, 'browser_cores'):.3f} | – | – |\n")
+    if len(page) > 1:  # what the page keeps: the growth from the first measured run to the last, per run
+        grown = {k: (page[-1][k] - page[0][k]) / (len(page) - 1) for k in ("page_nodes", "page_listeners",
+                                                                           "page_heap_mb")}
+        out.write(f"| page: kept per run after a forced GC: DOM nodes / listeners / JS heap (MB) | "
+                  f"{grown['page_nodes']:.0f} / {grown['page_listeners']:.0f} / {grown['page_heap_mb']:.2f} | – | – |\n")
     for kind in sorted(set.intersection(*(set(r["browser_kinds"]) for r in page))):
         cores = statistics.median(r["browser_kinds"][kind] for r in page)
         out.write(f"| browser: its {kind} processes (cores) | {cores:.3f} | – | – |\n")
