@@ -16,10 +16,10 @@ The same comparison then runs `--runs` times in the page and `--runs` times thro
 reversed on odd pairs, after a warm-up pair), so that the machine's drift falls on both alike. Each page run
 records the browser's CPU seconds per wall second (all its processes), the console process's, the engines'
 tokens/s as the console saved them, and what the page holds once the browser has collected its garbage (DOM nodes,
-listeners, JavaScript heap: their growth per run is what the page keeps). Prints medians, the ratios page / API, and issue 28's targets judged by 95 %
-intervals over the pairs (met, not met, or cannot tell), and where each engine's run time went (prefill, the
-later passes, the rest); nothing here is a test. Two copies of the default preset take about 14 GiB in float32, less
-with the int4 target.
+listeners, JavaScript heap: their growth per run is what the page keeps). Prints medians, the ratios page / API,
+and issue 28's targets judged by 95 % intervals over the pairs (met, not met, or cannot tell), and where each
+engine's run time went (prefill, the later passes, the rest); nothing here is a test. Two copies of the default
+preset take about 14 GiB in float32, less with the int4 target.
 """
 
 from __future__ import annotations
@@ -355,7 +355,8 @@ def main(argv=None) -> int:
         grown = {k: (page[-1][k] - page[0][k]) / (len(page) - 1) for k in ("page_nodes", "page_listeners",
                                                                            "page_heap_mb")}
         out.write(f"| page: kept per run after a forced GC: DOM nodes / listeners / JS heap (MB) | "
-                  f"{grown['page_nodes']:.0f} / {grown['page_listeners']:.0f} / {grown['page_heap_mb']:.2f} | – | – |\n")
+                  f"{grown['page_nodes']:.0f} / {grown['page_listeners']:.0f} / {grown['page_heap_mb']:.2f} "
+                  "| – | – |\n")
     for kind in sorted(set.intersection(*(set(r["browser_kinds"]) for r in page))):
         cores = statistics.median(r["browser_kinds"][kind] for r in page)
         out.write(f"| browser: its {kind} processes (cores) | {cores:.3f} | – | – |\n")
