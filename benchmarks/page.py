@@ -153,7 +153,7 @@ def page_session(args):
                 kinds = {kind: (k1[kind] - k0.get(kind, 0.0)) / wall for kind in k1}
                 return _latest_run(db) | {"browser_cores": (sum(k1.values()) - sum(k0.values())) / wall,
                                           "browser_kinds": kinds, "console_cores": (c1 - c0) / wall, "wall_s": wall,
-                                          **_kept(devtools)}
+                                          **page_kept(devtools)}
 
             yield run
             browser.close()
@@ -162,7 +162,7 @@ def page_session(args):
         console.wait(60)
 
 
-def _kept(devtools) -> dict:
+def page_kept(devtools) -> dict:
     """What the page holds after a run, once the browser has collected its garbage: DOM nodes (detached ones
     included), event listeners, JavaScript heap (MB). Grown from run to run, it is what the page keeps."""
     devtools.send("HeapProfiler.collectGarbage")

@@ -186,6 +186,7 @@ def test_the_page_does_not_keep_the_charts_it_replaced(console, browser, monkeyp
     600 DOM nodes and 150 listeners more per comparison, for as long as the page stayed open (a talk's evening of
     runs). Counted after a forced garbage collection, runs 2 to 4 keep what run 1 left; the charts still show after
     a switch to another tab and back."""
+    from benchmarks.page import LAST_RUN, page_kept
     from specconsole import tab_run
 
     monkeypatch.setattr(tab_run, "CHART_EVERY_S", 0.5)  # several chart updates a run
@@ -197,28 +198,23 @@ def test_the_page_does_not_keep_the_charts_it_replaced(console, browser, monkeyp
     cdp = page.context.new_cdp_session(page)
     cdp.send("Performance.enable")
 
-    def kept() -> dict:
-        cdp.send("HeapProfiler.collectGarbage")
-        metrics = {m["name"]: m["value"] for m in cdp.send("Performance.getMetrics")["metrics"]}
-        return {name: int(metrics[name]) for name in ("Nodes", "JSEventListeners")}
-
     counts = []
     for _ in range(4):
-        before = page.evaluate("document.querySelector('#baseline-panel .live-panel').dataset.run || ''")
+        before = page.evaluate(LAST_RUN)
         page.click("#run")
         page.wait_for_function("""(before) => ['#baseline-panel', '#speculative-panel'].every(id => {
             const p = document.querySelector(id + ' .live-panel');
             return p.dataset.run && p.dataset.run !== before && p.dataset.final === 'yes'; })""", arg=before,
                                timeout=300_000)
         page.wait_for_timeout(500)  # the end's chart draws (and plotly's second draw)
-        counts.append(kept())
+        counts.append(page_kept(cdp))
     page.get_by_role("tab", name="History").click()
     page.get_by_role("tab", name="Run").click()
     shown = page.evaluate("['#chart-steps', '#chart-positions', '#chart-tokens'].map(id => "
                           "document.querySelectorAll(id + ' .js-plotly-plot .main-svg').length)")
     page.close()
     grown = {name: counts[-1][name] - counts[0][name] for name in counts[0]}
-    assert grown["Nodes"] < 150 and grown["JSEventListeners"] < 30, counts
+    assert grown["page_nodes"] < 150 and grown["page_listeners"] < 30, counts
     assert all(shown), shown
 
 
