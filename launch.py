@@ -44,6 +44,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "equals the baseline's, both may part from float32's")
     p.add_argument("--target", help="target model instead of the preset's: a model directory or a .gguf file")
     p.add_argument("--draft", help="draft model instead of the preset's (same tokenizer as the target)")
+    p.add_argument("--local-memory", metavar="BASELINE,SPECULATIVE",
+                   help="one GPU split in two: the baseline and the speculative engine in two engine processes, each "
+                        "capped at its share of the device's memory, e.g. 0.45,0.45 (on a CPU: each checked to fit "
+                        "its share, and the engines take turns)")
 
 
 def add_request_args(p: argparse.ArgumentParser, suite: bool = False) -> None:

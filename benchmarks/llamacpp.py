@@ -3,7 +3,7 @@
     python -m benchmarks.llamacpp                       24 HumanEval + 16 MT-Bench prompts, llama.cpp only
     python -m benchmarks.llamacpp --ours                the same, plus our local engine's baseline and speculative
     python -m benchmarks.llamacpp --humaneval-prompts 4 --mtbench-prompts 4 --repeats 1 --ours   quick check
-    python -m benchmarks.llamacpp --ours --precision int4 --fallback   our int4 target, speculation off while it loses
+    python -m benchmarks.llamacpp --ours --precision float32 --fallback   our float32 target, speculation off while it loses
     python -m benchmarks.llamacpp --preset smollm2-ngram --spec ngram-simple:k=4:n=2,ngram-mod:k=4   no draft model
 
 On the preset's GGUF files (the same files `launch.py --backend llamacpp` loads): a llama.cpp engine without
@@ -31,15 +31,17 @@ import os
 import statistics
 import sys
 from dataclasses import replace
+from functools import partial
 
 from benchmarks.speed import (NOISE_WARNING, _cell, _median, add_sample_args, describe_prompts, groups, machine,
                               run_engine, sample_plan, with_ci)
-from engine.exact.precision import PRECISIONS
+from engine.exact.precision import AUTO, PRECISIONS
 from engine.llamacpp.backend import LlamaCppBackend
 from engine.llamacpp.server import DRAFT_MODEL_METHODS, EngineConfig, LlamaCppError, parse_method
 from engine.loading.weights import gguf_model
 from engine.metrics import compare
 from engine.presets import PRESETS
+from engine.process.client import EngineProcess
 from engine.request import Request
 from engine.setup import setup
 from engine.vllm.backend import MAX_EXTRA, extra_engine
@@ -48,6 +50,17 @@ log = logging.getLogger("benchmarks.llamacpp")
 
 PLAIN = "baseline"  # llama.cpp plain: the backend's baseline engine
 OURS = ("ours_baseline", "ours_speculative")
+
+
+def ours(preset: str, precision: str, threads: int, on_progress=None):
+    """Our engines as the console builds them (run in their engine process), on as many cores as each llama.cpp
+    engine."""
+    import torch
+
+    from engine.exact.backend import LocalBackend
+
+    torch.set_num_threads(threads)
+    return LocalBackend.from_preset(preset, precision=precision, on_progress=on_progress)
 
 
 def llamacpp_configs(spec: str, target: str, draft: str | None, threads: int) -> list[EngineConfig]:
@@ -172,7 +185,8 @@ def main(argv=None) -> int:
                         "shares, 1: a thread that waits for a core slows its engine down, where several threads\n"
                         "that wait for each other make llama.cpp's plain decoding collapse")
     p.add_argument("--ours", action="store_true", help="also run our local engine's baseline and speculative")
-    p.add_argument("--precision", default="float32", choices=PRECISIONS, help="our target's weights (--ours)")
+    p.add_argument("--precision", default=AUTO, choices=(AUTO, *PRECISIONS),
+                   help="our target's weights (--ours); default: the console's (int4 where its kernel runs)")
     p.add_argument("--fallback", action="store_true",
                    help="our speculative engine switches speculation off while it does not pay (--ours; docs/policy.md)")
     args = p.parse_args(argv)
@@ -193,13 +207,8 @@ def main(argv=None) -> int:
         labels = {engine: c.label() for engine, c in zip(spec_engines, configs)}
         engines = [PLAIN, *spec_engines]
         ours_req = {}
-        if args.ours:
-            import torch
-
-            from engine.exact.backend import LocalBackend
-
-            torch.set_num_threads(args.threads)  # the same cores as each llama.cpp engine
-            backends["ours"] = LocalBackend.from_preset(args.preset, precision=args.precision)
+        if args.ours:  # in its engine process, as the console runs it
+            backends["ours"] = EngineProcess(partial(ours, args.preset, args.precision, args.threads)).start()
             ours_req = {"method": preset.method, "fallback": args.fallback}
             warm = Request(prompt="Hello", max_new_tokens=8, **ours_req)
             for engine in ("baseline", "speculative"):  # first calls pay one-off costs
@@ -224,7 +233,8 @@ def main(argv=None) -> int:
             log.warning("interrupted: summarising the repeats completed so far")
             interrupted = True
     finally:
-        backends["llamacpp"].close()
+        for backend in backends.values():
+            backend.close()
 
     done = [(entry, rs) for entry, rs in zip(plan, reps) if rs]
     if not done:
@@ -233,6 +243,10 @@ def main(argv=None) -> int:
                for (suite, item), rs in done]
     rows = groups(prompts)
     out = sys.stdout
+    import xllamacpp
+
+    out.write(f"\nllama.cpp build: xllamacpp {getattr(xllamacpp, '__version__', '?')}, CPU features "
+              f"{xllamacpp.get_system_info().strip()}\n")
     repeats = f"{args.repeats} repeat{'s' if args.repeats != 1 else ''}"
     repeats += " (interrupted: fewer for some prompts)" if interrupted else ""
     out.write(f"\nPrompts: {describe_prompts(plan, args.sample_seed)}; {repeats}, engine order reversed on odd "

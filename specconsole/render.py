@@ -185,6 +185,9 @@ def figures_html(baseline: RunResult | None, speculative: RunResult | None, comp
         if comparison.get("others_in_passes"):  # fair mode: where the disturbance fell
             detail += "; others during each engine's passes: " + ", ".join(
                 f"{escape(e)} {number(v, '.2f')}" for e, v in comparison["others_in_passes"].items())
+        if comparison.get("waited_s"):  # fair mode: the page's cost, outside the timed passes
+            detail += (f"; between passes the engines waited {number(comparison['waited_s'], '.2f')} s for the page "
+                       "(not in their timings)")
         rows.append(("machine during the run", f'{"noisy" if comparison["noisy"] else "quiet"}'
                                                f'<div class="fig-note">{detail}</div>'))
     cells = "".join(f'<div class="fig{" headline" if k in HEADLINE else ""}"><div class="fig-label">{escape(k)}</div>'

@@ -33,6 +33,7 @@ from collections import deque
 from dataclasses import asdict, replace
 
 from engine.backend import ENGINES, MAX_EXTRA, extra_engine
+from engine.clock import EngineClock
 from engine.analysis.check import sampling_check
 from engine.events import Event, PolicyEvent, Reclassified, RunResult, StepRecord, TokenEvent
 from engine.metrics import compare, run_metrics
@@ -73,24 +74,6 @@ class TurnLock:
     def locked(self) -> bool:
         with self._turns:
             return self._serving < self._next_ticket
-
-
-class EngineClock:
-    """Seconds this engine has spent computing: it runs only between resume() and pause()."""
-
-    def __init__(self):
-        self.elapsed, self.since = 0.0, None
-
-    def resume(self) -> None:
-        self.since = time.perf_counter()
-
-    def pause(self) -> None:
-        if self.since is not None:  # (a turn that failed before its clock started)
-            self.elapsed += time.perf_counter() - self.since
-            self.since = None
-
-    def __call__(self) -> float:
-        return self.elapsed + (time.perf_counter() - self.since if self.since is not None else 0.0)
 
 
 class LiveRun:

@@ -166,19 +166,36 @@ def _save_note(comp: Comparison) -> str:
 DRAFTING_CONTROLS = ("method", "k", "dynamic_k", "draft_confidence", "draft_vocab", "fallback")
 
 
+def costs_markdown(costs: dict) -> str:
+    """The policy's cost model (Backend.calibration()) in a sentence or two; "" where the backend has none."""
+    if not costs:
+        return ""
+    curve = {int(m): v for m, v in costs["verify_ms"].items()}
+    longest = max(curve)
+    draft = costs.get("draft_ms_per_token")
+    where = costs.get("machine", {}).get("cpu")
+    return (f"Measured {md(costs.get('measured_at', '?'))}{f' on {md(where)}' if where else ''}: a plain target step "
+            f"**{curve[1]:.1f} ms**, a pass over 5 tokens {curve.get(5, curve[longest]):.1f} ms, over {longest} "
+            f"{curve[longest]:.1f} ms" + (f", a draft token **{draft:.1f} ms**" if draft is not None else "")
+            + ". The policy drafts from these costs alone, never from a run's own timings: the page, `launch.py "
+              "demo` and the benchmarks draft the same plan for the same request.")
+
+
 def backend_view(host: ModelHost) -> list:
     """Updates for the drafting controls, the vLLM section and "Compare with", from the loaded backend's
     capabilities: a setting the backend does not apply is greyed out and says who sets it, rather than silently
     ignored; a backend with its own speculative servers offers those to compare with."""
     backend = host.backend
     if backend is None:
-        return [gr.skip()] * (len(DRAFTING_CONTROLS) + 2)
+        return [gr.skip()] * (len(DRAFTING_CONTROLS) + 4)
     ignored = set(backend.ignored_settings(build_request("-", method=host.method)))
     server = {"vllm": "vLLM"}.get(backend.name, backend.name)
     who = f"not applied: set by the {server} server ({backend.describe().get('method')})"
     updates = [gr.update(interactive=False, info=who) if name in ignored
                else gr.update(interactive=True) for name in DRAFTING_CONTROLS]
-    return [*updates, gr.update(visible=backend.capabilities.can_reconfigure), compare_choices(backend)]
+    costs = costs_markdown(backend.calibration())
+    return [*updates, gr.update(visible=backend.capabilities.can_reconfigure), compare_choices(backend),
+            gr.update(visible=bool(costs)), costs or gr.skip()]
 
 
 def compare_choices(backend):
@@ -349,6 +366,12 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
             return f"Could not apply: {md(e)}"
         return f"Speculative server running with {md(json.dumps(config))}."
 
+    def measure_costs():
+        if not host.ready:
+            return gr.skip()
+        with host.lock:  # never while a run is timed
+            return costs_markdown(host.backend.recalibrate())
+
     def stop(request: gr.Request):
         session = request.session_hash if request else "local"
         comp = active.get(session)
@@ -404,6 +427,11 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
                 vllm_draft = gr.Textbox(label="Draft / EAGLE / Medusa model path")
                 vllm_apply = gr.Button("Apply (restarts the speculative server)")
                 vllm_status = gr.Markdown()
+            # shown once the backend says its policy drafts from a cost model of ours (backend_view)
+            with gr.Accordion("The policy's cost model", open=False, visible=False,
+                              elem_id="cost-model") as costs_section:
+                costs_text = gr.Markdown(elem_id="cost-model-text")
+                costs_measure = gr.Button("Measure again (a few seconds; waits for a run to end)", size="sm")
             method = gr.Radio(list(METHODS), value=host.method, label=METHOD_LABEL)
             with gr.Row():
                 k = gr.Slider(1, MAX_K, value=DEFAULT_K, step=1, label="K (draft tokens per step)")
@@ -481,9 +509,10 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
     stop_btn.click(stop, None, None, concurrency_limit=None)
     category.change(pick_category, category, [example, prompt, temperature], show_progress_on=[example])
     example.input(pick_example, [category, example], [prompt, temperature], show_progress_on=[example])
+    costs_measure.click(measure_costs, None, costs_text, concurrency_limit=1, concurrency_id="engines")
     vllm_apply.click(reconfigure_vllm, [vllm_method, vllm_k, vllm_draft], vllm_status, concurrency_limit=1,
                      concurrency_id="engines")
 
     settings = RunSettings(method, k, dynamic_k, confidence, draft_vocab, fallback, top_p, seed, mode, show_rejected)
     return RunTab(settings, run_event, [method, k, dynamic_k, confidence, draft_vocab, fallback, vllm_section,
-                                        compare_with])
+                                        compare_with, costs_section, costs_text])

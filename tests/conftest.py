@@ -39,12 +39,13 @@ def skip_or_fail(reason: str, module: bool = False) -> None:
     pytest.skip(reason, allow_module_level=module)
 
 
-def tiny_llama(vocab: int, seed: int, layers: int = 2, init: float = 0.3, kv_heads: int = 2) -> LlamaForCausalLM:
+def tiny_llama(vocab: int, seed: int, layers: int = 2, init: float = 0.3, kv_heads: int = 2,
+               hidden: int = 64) -> LlamaForCausalLM:
     """A random Llama small enough to run thousands of steps a second; a large init makes its distributions peaky,
     so that greedy choices are clear and sampled ones are far from uniform."""
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=kv_heads, max_position_embeddings=256, initializer_range=init, tie_word_embeddings=False,
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )

@@ -4,6 +4,7 @@ One console serves the module; the kill test kills it and starts it again on the
 a second console, in the test's process, whose database file it stops from growing."""
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -335,6 +336,95 @@ def test_kill_9_mid_run_keeps_what_it_had_streamed(console, new_page):
     page.wait_for_selector("#history-baseline .tok")
     assert page.locator("#history-baseline .tok").count() >= seen["baseline"][0]
     assert "interrupted" in page.inner_text("#history-run-info")
+
+
+# --- the engine process ------------------------------------------------------------------------------------------
+
+
+def engine_process(console_pid: int):
+    """The console's engine process (engine.process.child), once it is there."""
+    import psutil
+
+    for _ in range(600):
+        found = [p for p in psutil.Process(console_pid).children()
+                 if "engine.process.child" in " ".join(p.cmdline())]
+        if found:
+            return found[0]
+        time.sleep(0.1)
+    pytest.fail("the console started no engine process")
+
+
+def test_a_killed_engine_process_fails_the_run_in_the_page_and_the_next_run_gets_a_fresh_one(console, new_page):
+    """kill -9 of the engine process (as the kernel's OOM killer would) mid-run: the page stays up, says why the run
+    ended and keeps what it had streamed; the run is saved as failed with the reason; the next Run is served by a
+    fresh engine process."""
+    c = console.ensure()
+    page = new_page(c.url)
+    set_run(page, "Write a long story about a lighthouse keeper and the sea, in many short paragraphs.", 1500)
+    engines = engine_process(c.proc.pid)
+    assert engines.pid != c.proc.pid  # the console serves the page; the passes run there
+    page.click("#run")
+    page.wait_for_function("() => document.querySelectorAll('#baseline-panel .tok').length >= 20", timeout=120_000)
+    os.kill(engines.pid, signal.SIGKILL)
+    page.wait_for_selector("#baseline-panel .panel-error:has-text('killed by SIGKILL')", timeout=60_000)
+    shown, text = panel_text(page, "#baseline-panel")
+    assert shown >= 20 and text  # what it had streamed stays on screen
+    page.wait_for_selector("#speculative-panel .panel-error:has-text('killed by SIGKILL')", timeout=60_000)
+    for _ in range(300):  # the run is saved once both engines have ended
+        (run_id, status, error), = db_rows(c.db, "SELECT id, status, error FROM runs WHERE prompt LIKE 'Write a long "
+                                                 "story%' ORDER BY created_at DESC LIMIT 1")
+        if status != "running":
+            break
+        time.sleep(0.1)
+    assert status == "failed" and "killed by SIGKILL" in error
+    saved = db_rows(c.db, "SELECT count(*) FROM tokens WHERE run_id = ? AND engine = 'baseline'", [run_id])[0][0]
+    assert saved >= 20
+
+    set_run(page, "Name three colours.", 16)
+    click_run(page)
+    wait_for_run(page)
+    fresh = engine_process(c.proc.pid)
+    assert fresh.pid != engines.pid and "identical" in page.inner_text("#figures")
+
+
+def test_the_engine_process_ends_with_the_console(tmp_path):
+    """The console's SIGTERM stops its engine process; so does a kill -9 of the console (the pipe's end-of-file)."""
+    import psutil
+
+    for how in (signal.SIGTERM, signal.SIGKILL):
+        c = Console(tmp_path / f"{how.name}.db", tmp_path / f"{how.name}.log").start()
+        engines = engine_process(c.proc.pid)
+        os.kill(c.proc.pid, how)
+        c.proc.wait(60)
+        try:
+            engines.wait(30)
+        except psutil.TimeoutExpired:
+            engines.kill()
+            pytest.fail(f"the engine process outlived the console's {how.name}:\n{c.tail()}")
+
+
+def test_two_consoles_on_one_history_file_each_run_their_own_engines(tmp_path):
+    """A second console on the same history file: each has an engine process of its own, and both save their runs."""
+    from gradio_client import Client
+
+    db = tmp_path / "history.db"
+    consoles = [Console(db, tmp_path / f"console-{i}.log").start() for i in range(2)]
+    try:
+        pids = [engine_process(c.proc.pid).pid for c in consoles]
+        assert len(set(pids)) == 2
+        for c in consoles:
+            deadline = time.monotonic() + 120
+            while "models ready" not in c.tail() and time.monotonic() < deadline:
+                time.sleep(0.5)
+            job = Client(c.url, verbose=False).submit("Name three colours.", None, "ngram", 3, False, 0.0, 0, False, 0.0, 1.0, 12, 0,
+                                "fair", True, [], api_name="/run")
+            list(job)
+        rows = db_rows(db, "SELECT status, baseline_metrics FROM runs WHERE prompt = 'Name three colours.'")
+        assert [r[0] for r in rows] == ["completed", "completed"]
+        assert sorted(json.loads(r[1])["engine_pid"] for r in rows) == sorted(pids)
+    finally:
+        for c in consoles:
+            c.stop()
 
 
 # --- a full disk -------------------------------------------------------------------------------------------------

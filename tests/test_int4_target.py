@@ -183,13 +183,25 @@ def test_the_default_is_int4_where_its_kernel_runs_and_float32_where_it_cannot(t
     parser, _ = parsers()
     args = parser.parse_args(["demo", "--preset", "smollm2-ngram", "--target", str(model), "--prompt", "Hi"])
     host = local_host(args)
-    backend = host.factory(None)
-    assert backend.precision == "int4" and backend.precision_note is None
-    assert backend.target.name.endswith("(int4)") and "(int4)" in host.label
-    assert [m for m in backend.target.model.modules() if isinstance(m, GroupedInt8Linear)]
+    backend = host.factory(None)  # the engines in their engine process: what it loaded, as it says
+    try:
+        assert backend.why_float32() is None
+        assert backend.describe()["target_model"].endswith("(int4)") and "(int4)" in host.label
+    finally:
+        backend.close()
 
-    monkeypatch.setenv("PATH", str(tmp_path / "nothing-here"))
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing-here"))  # the engine process inherits it
     backend = host.factory(None)
-    assert backend.precision == "float32" and not backend.target.name.endswith(")")
-    assert not [m for m in backend.target.model.modules() if isinstance(m, GroupedInt8Linear)]
+    try:
+        assert "cannot run here" in backend.why_float32()
+        assert not backend.describe()["target_model"].endswith(")")
+    finally:
+        backend.close()
     assert "(float32: the int4 kernel cannot run here: it is compiled on first use and needs a C++" in host.label
+    # the kernel's Linears, in this process, built as the engine process builds them
+    from specconsole.hosts import local_factory
+
+    monkeypatch.undo()
+    loaded = local_factory(args)(None)
+    assert loaded.precision == "int4" and [m for m in loaded.target.model.modules()
+                                           if isinstance(m, GroupedInt8Linear)]

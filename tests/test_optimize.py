@@ -60,11 +60,11 @@ def test_padding_benchmark_runs_each_engine_under_each_padding(backend):
     from engine.request import build_request
 
     layers = [m for m in backend.target.model.modules() if isinstance(m, PackedLinear)]
-    costs = backend.verify_ms
+    costs = backend.calibrate()
     req = build_request("Write a haiku about the sea.", method="draft", max_new_tokens=12)
     rows = compare(backend, [req, req], paddings=(MIN_ROWS, 1))
     assert [sorted(k for k in row if k != "identical") for row in rows] == [
         sorted((e, r) for e in ("baseline", "speculative") for r in (MIN_ROWS, 1))] * 2
     assert all(row["identical"] for row in rows)  # greedy: padded or not, both engines give the same tokens
     assert all(value > 0 for row in rows for key, value in row.items() if key != "identical")
-    assert all(layer.min_rows == MIN_ROWS for layer in layers) and backend.verify_ms is costs  # as it was
+    assert all(layer.min_rows == MIN_ROWS for layer in layers) and backend.costs is costs  # as it was

@@ -37,14 +37,17 @@ def test_page_greys_out_what_the_backend_does_not_apply(backend):
     host = ModelHost("x", lambda p: None)
     assert all(u == gr.skip() for u in backend_view(host))  # still loading: nothing changes yet
     host.backend = ServerLike(backend)
-    *controls, section, compare = backend_view(host)
+    *controls, section, compare, costs, costs_text = backend_view(host)
     assert len(controls) == len(DRAFTING_CONTROLS)
     assert all(u["interactive"] is False and "set by the vLLM server (eagle)" in u["info"] for u in controls)
     assert section["visible"] is False  # attached servers cannot be reconfigured from the page
     assert compare == gr.skip()  # not fixed variants: the presets stay
+    assert costs["visible"] is False  # a server's own policy drafts: no cost model of ours to show
     host.backend = backend
-    *controls, section, compare = backend_view(host)
+    *controls, section, compare, costs, costs_text = backend_view(host)
     assert all(u["interactive"] is True for u in controls) and section["visible"] is False
+    # our policy's cost model, shown with what it measured
+    assert costs["visible"] is True and "a plain target step" in costs_text and "draft token" in costs_text
 
 
 def test_the_page_builds_with_its_elements(tmp_path):

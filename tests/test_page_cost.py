@@ -1,6 +1,7 @@
-"""What the page costs the engines it measures. The same greedy comparison, in fair mode, run through the page's
-update path (the Run button's handler, served by Gradio and read by a client in another process) and through the API
-(specconsole.runner.Comparison alone): the engines make the same passes, and the console's own threads other than the
+"""What the page costs the engines it measures. The same greedy comparison, in fair mode, on the same engine process
+(engine.process, as the console runs its engines), through the page's update path (the Run button's handler, served
+by Gradio and read by a client in another process) and through the API (specconsole.runner.Comparison alone, as
+`launch.py demo` drives it): the same tokens and the same passes, and the console's own threads other than the
 engines' do (almost) no work while a pass is timed. The disturbance is counted in CPU seconds of those threads
 (specconsole.machine.ConsoleWork), not in wall-clock time, so a busy machine does not decide the test."""
 
@@ -12,6 +13,7 @@ import sys
 
 import pytest
 
+from engine.process.client import EngineProcess
 from engine.request import build_request
 from specconsole import page_drawn, runner
 from specconsole.history import History
@@ -19,6 +21,7 @@ from specconsole.host import ModelHost
 from specconsole.page_drawn import ACKS
 from specconsole.runner import Comparison
 from tests.conftest import free_ports, run_to_end, set_run
+from tests.engine_factories import tiny_chat_backend
 
 PROMPT = "Write a function that adds two numbers, then explain it line by line."
 NEW_TOKENS = 160
@@ -38,11 +41,19 @@ print(updates)
 
 
 @pytest.fixture(scope="module")
-def console(backend, tmp_path_factory):
+def engines():
+    """The tiny models in an engine process, as the console runs its engines (engine.process)."""
+    process = EngineProcess(tiny_chat_backend).start()
+    yield process
+    process.close()
+
+
+@pytest.fixture(scope="module")
+def console(engines, tmp_path_factory):
     from specconsole.app import launch
 
     history = History(tmp_path_factory.mktemp("page") / "history.db")
-    host = ModelHost("tiny", lambda progress: backend).start()
+    host = ModelHost("tiny", lambda progress: engines).start()
     assert host.wait(60)
     port = free_ports(1)[0]
     app = launch(host, history, "127.0.0.1", port, prevent_thread_lock=True)
@@ -63,13 +74,13 @@ def _steps(history: History, run_id: str) -> list[int]:
     return [len(results[e].steps) for e in ("baseline", "speculative")]
 
 
-def test_the_page_does_no_work_while_a_pass_is_timed(console, backend):
+def test_the_page_does_no_work_while_a_pass_is_timed(console, engines):
     url, history = console
     updates, run = _through_page(url, history)
     comparison = json.loads(run["comparison"])
     assert updates >= 4  # the page streamed: updates during the run, not only the layout and the end
 
-    api = run_to_end(Comparison(backend, build_request(PROMPT, max_new_tokens=NEW_TOKENS, temperature=0.0,
+    api = run_to_end(Comparison(engines, build_request(PROMPT, max_new_tokens=NEW_TOKENS, temperature=0.0,
                                                        method="ngram", k=3, dynamic_k=False, draft_confidence=0.0),
                                 "fair", None, {}))
     # the same work: the same passes, the same output
@@ -114,19 +125,19 @@ def test_the_browser_draws_between_passes(console, page):
     assert ACKS.answered - answered >= 4, "the page streamed updates that nobody waited for"
 
 
-def test_the_runs_start_is_drawn_before_the_first_turn(console, backend, page, monkeypatch):
+def test_the_runs_start_is_drawn_before_the_first_turn(console, engines, page, monkeypatch):
     """The page's drawing of a run's start (the click, the last run's panels emptied) used to land in the first
     engine's first timed turn, the baseline's prefill. Now the first turn waits for the browser's word that it drew
     the run's start: when the baseline's stream is first asked for its pass, the page has answered once already."""
     url, history = console
     at_first_pass = []
-    baseline = backend.baseline
+    baseline = engines.baseline
 
     def watched(*args, **kwargs):
         at_first_pass.append(ACKS.answered)  # a generator's body runs at its first next(): the first turn
         yield from baseline(*args, **kwargs)
 
-    monkeypatch.setattr(backend, "baseline", watched)
+    monkeypatch.setattr(engines, "baseline", watched)
     page.goto(url)
     page.wait_for_selector("#model-status:has-text('Ready')", timeout=60_000)
     set_run(page, PROMPT, 16)

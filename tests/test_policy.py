@@ -1,7 +1,7 @@
 """The K policy and the fallback, on constructed step records."""
 
 from engine.events import PolicyAction, StepRecord
-from engine.exact.policy import DraftStop, PolicyConfig, SpecPolicy
+from engine.exact.policy import Costs, DraftStop, PolicyConfig, SpecPolicy
 from engine.request import Request
 
 
@@ -194,3 +194,43 @@ def test_draft_cap_leaves_a_fixed_k_alone_and_can_be_switched_off():
         off.observe(spec_step(4, 2, draft_ms=20.0))
     assert fixed.next_k() == 8  # the user's K
     assert off.next_k() == 16  # the per-token rule's ceiling alone
+
+
+
+def plan(policy: SpecPolicy, slower: float, accepted: list[int]) -> list:
+    """Drive a policy through a fixed sequence of accepted lengths, its speculative steps timed `slower` times the
+    calibrated costs and its plain steps as calibrated (a disturbance that lands on some passes and not on others),
+    with what DraftStop decides for fixed draft confidences: what it planned, step by step."""
+    decisions = []
+    for i, a in enumerate(accepted):
+        k = policy.next_k()
+        stop = policy.draft_stop()
+        if stop is not None:  # the draft's own confidences: sure, then less sure
+            n = 0
+            while n < k and stop.more(0.9 if n < 3 else 0.3):
+                n += 1
+            k = min(k, n + 1)
+        decisions.append(k)
+        if k == 0:
+            step = StepRecord(i + 1, 0, 0, 1, 0.0, 100.0, 0.0)
+        else:
+            a = min(a, k)
+            step = StepRecord(i + 1, k, a, a + 1, 10.0 * k * slower, (100.0 + 12.5 * k) * slower, 0.0, "draft")
+        decisions += [(e.action, e.k) for e in policy.observe(step)]
+    return decisions
+
+
+def test_with_a_calibration_a_10_percent_slower_pass_does_not_change_the_plan():
+    """The plan reads the calibration's costs, not the run's timings: speculative passes 10 % slower (the page
+    drawing, a busier machine) make the same decisions, for the fallback, for K from the i.i.d. model and for the
+    per-token stop. Without a calibration the same slowdown changes the plan: K = 4 with one draft accepted per step
+    gives 2 tokens in 190 ms against a plain step's 100 ms, just ahead; 10 % slower, just behind."""
+    costs = Costs(100.0, {m: 100.0 + 12.5 * (m - 1) for m in range(1, 18)}, 10.0)
+    edge, mixed = [1] * 12, [3, 0, 4, 1, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 5, 2, 3, 1, 0, 2] * 2
+    fixed = PolicyConfig(k=4, fallback=True)
+    for config, accepted in ((fixed, edge), (PolicyConfig(k=4, dynamic=True, per_token=False, fallback=True), mixed),
+                             (PolicyConfig(k=16, dynamic=True, per_token=True, fallback=True), mixed)):
+        plans = [plan(SpecPolicy(config, costs=costs), slower, accepted) for slower in (1.0, 1.1)]
+        assert plans[0] == plans[1], config
+    learned = [plan(SpecPolicy(fixed, target_step_ms=100.0), slower, edge) for slower in (1.0, 1.1)]
+    assert (PolicyAction.FALLBACK, 0) not in learned[0] and (PolicyAction.FALLBACK, 0) in learned[1]

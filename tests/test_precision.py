@@ -87,7 +87,7 @@ def test_load_makes_a_float16_target_and_counts_its_bytes(tmp_path, smol_tokeniz
 def test_the_command_line_option_reaches_the_target(tmp_path, smol_tokenizer):
     """launch.py --precision float16: the local engine's target runs HalfLinears (a tiny model as --target)."""
     from launch import parsers
-    from specconsole.hosts import local_host
+    from specconsole.hosts import local_factory, local_host
 
     tiny_llama(len(smol_tokenizer), seed=3).save_pretrained(tmp_path)
     smol_tokenizer.save_pretrained(tmp_path)
@@ -98,7 +98,12 @@ def test_the_command_line_option_reaches_the_target(tmp_path, smol_tokenizer):
                                       (["--precision", "float32"], 0, MIN_ROWS)):
         args = parser.parse_args(["demo", "--preset", "smollm2-ngram", "--target", str(tmp_path), "--prompt", "Hi",
                                   *option])
-        backend = local_host(args).factory(None)
+        engines = local_host(args).factory(None)  # in the engine process, as the console runs them
+        try:
+            assert engines.describe()["target_model"].endswith("(float16)") == bool(layers)
+        finally:
+            engines.close()
+        backend = local_factory(args)(None)  # the same build, here, to look inside
         assert len([m for m in backend.target.model.modules() if isinstance(m, HalfLinear)]) == layers
         assert not [m for m in backend.target.model.modules() if isinstance(m, nn.Linear)]
         assert backend.tree_rows == tree_rows == free_rows(backend.target.model)

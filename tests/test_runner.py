@@ -12,7 +12,8 @@ from specconsole import charts
 from specconsole.export import export_csv
 from specconsole.history import History
 from specconsole.render import figures_html, tokens_html
-from specconsole.runner import Comparison, EngineClock
+from engine.clock import EngineClock
+from specconsole.runner import Comparison
 from tests.conftest import PassLog, run_to_end
 
 

@@ -317,6 +317,9 @@ class ServerLike:
 
         return DRAFTING_SETTINGS
 
+    def calibration(self):
+        return {}  # a server's own policy drafts
+
 
 def test_suite_cli_saves_the_method_the_server_ran(backend, tmp_path, monkeypatch):
     """`launch.py suite --backend vllm` saved every run with method "draft" whatever the server ran."""

@@ -6,10 +6,11 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Iterator
 
 from engine.exact import tree
-from engine.events import Event, RunResult
+from engine.events import Event
 from engine.exact.decode import generate_baseline, generate_speculative, score_outputs
 from engine.methods import PROPOSERS, needs_draft
 from engine.loading.models import LoadedModel, ModelError, check_pair, load, pick_device
@@ -18,7 +19,8 @@ from engine.prompts import encode_prompt
 from engine.exact.optimize import MIN_ROWS, free_rows
 from engine.exact.precision import AUTO, resolve_precision
 from engine.backend import Capabilities
-from engine.exact.policy import SpecPolicy
+from engine.exact import calibration
+from engine.exact.policy import Costs, SpecPolicy
 from engine.exact.proposers import Draft
 from engine.request import MIN_DRAFT_VOCAB, Request
 from engine.limits import SettingsError
@@ -44,8 +46,12 @@ class LocalBackend:
         # the pass size a token tree fills up to (engine.exact.tree): rows a pass of fewer costs anyway; None: what
         # the target's Linears give (engine.exact.optimize.free_rows)
         self.tree_rows = free_rows(target.model) if tree_rows is None else tree_rows
-        self.target_step_ms: float | None = None  # measured by baseline runs; lets the fallback judge from the first step
-        self.verify_ms: dict[int, float] = {}  # target pass over m tokens -> ms, learned by speculative runs
+        # the policy's cost model (engine.exact.calibration): from_preset reads the stored one; a backend built from
+        # models directly measures its own at the first speculative run, and keeps it in memory only
+        self.costs: Costs | None = None
+        self.costs_about: dict = {}  # when and where the costs were measured, and their file
+        self.stored_as: dict | None = None  # what the stored costs are filed under (from_preset); None: not stored
+        self.memory_share: float | None = None  # this process's share of the device's memory (engine.process.split)
         self.heads: dict[int, PrunedHead] = {}  # FR-Spec: the draft's pruned output layer per vocabulary size
         # the target's Linears (engine.exact.precision; its name says so too, for the history), and why "auto" gave
         # float32 (from_preset sets them)
@@ -68,6 +74,11 @@ class LocalBackend:
             log.warning("the target runs in float32: %s", why)
         backend = cls._load_pair(preset, dev, min_rows, on_progress, precision)
         backend.precision, backend.precision_note = precision, why
+        backend.stored_as = backend.describe() | {"target": preset.target, "draft": preset.draft, "device": str(dev),
+                                                  "min_rows": min_rows}
+        if on_progress:
+            on_progress("the policy's costs (measured once per machine and models, then stored)", 0, 1)
+        backend.calibrate()
         return backend
 
     @classmethod
@@ -84,6 +95,30 @@ class LocalBackend:
             target = pool.submit(load, preset.target, "target", dev, min_rows=min_rows, on_progress=on_progress,
                                  precision=precision)
             return cls(target.result(), draft.result())
+
+    def calibrate(self, refresh: bool = False) -> Costs:
+        """The policy's costs: stored ones where this backend is a preset's (measured and stored first if there are
+        none, or with `refresh`), else measured now and kept for this backend's life."""
+        if self.costs is None or refresh:
+            draft = self.draft.model if self.draft else None
+            if self.stored_as is None:
+                self.costs = calibration.measure(self.target.model, draft)
+                self.costs_about = {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "file": None}
+            else:
+                self.costs, self.costs_about = calibration.stored(self.stored_as, self.target.model, draft, refresh)
+        return self.costs
+
+    def calibration(self) -> dict:
+        self.calibrate()
+        return calibration.as_dict(self.costs, self.costs_about)
+
+    def recalibrate(self) -> dict:
+        self.calibrate(refresh=True)
+        return self.calibration()
+
+    def why_float32(self) -> str | None:
+        """Why "auto" gave a float32 target (None: it runs as asked), for the status line."""
+        return self.precision_note
 
     def variants(self) -> dict[str, dict]:
         return {}  # the extras of an N-way run are the page's presets (specconsole.variants), served per request
@@ -104,7 +139,8 @@ class LocalBackend:
         gb = 1 << 30
         draft = self.draft.nbytes if self.draft else 0
         return {"target_gb": self.target.nbytes / gb, "draft_gb": draft / gb,
-                "needed_gb": (self.target.nbytes + draft) / gb, "available_gb": available / gb}
+                "needed_gb": (self.target.nbytes + draft) / gb, "available_gb": available / gb,
+                "device": str(self.target.device), "share": self.memory_share}
 
     def validate(self, req: Request) -> None:
         self.prompt_ids(req)
@@ -149,10 +185,7 @@ class LocalBackend:
     def baseline(self, req: Request, cancel: threading.Event | None = None, clock=time.perf_counter) -> Iterator[Event]:
         ids = self.prompt_ids(req)
         t = self.target
-        for event in generate_baseline(t.model, t.tokenizer, ids, req.sampling, self.stops(req), cancel, clock):
-            if isinstance(event, RunResult) and event.metrics.get("plain_step_ms"):
-                self.target_step_ms = event.metrics["plain_step_ms"]
-            yield event
+        yield from generate_baseline(t.model, t.tokenizer, ids, req.sampling, self.stops(req), cancel, clock)
 
     def score(self, req: Request, outputs: list[list[int]]) -> list[list[float]]:
         """Log-probability of each token of each output under the target (raw distribution, temperature 1), given the
@@ -170,7 +203,10 @@ class LocalBackend:
         draft = Draft(self.draft.model, t.vocab_size, self.draft_head(req.draft_vocab),
                       alternatives=tree.width(tree_rows)) if method.needs_draft else None
         proposer = method.build(req, draft)
-        policy = SpecPolicy(req.policy(), target_step_ms=self.target_step_ms, verify_ms=self.verify_ms)
+        costs = self.calibrate()
+        if not method.needs_draft:  # n-gram lookup: a drafted token costs next to nothing
+            costs = replace(costs, draft_ms_per_token=0.0)
+        policy = SpecPolicy(req.policy(), costs=costs)
         yield from generate_speculative(
             t.model, t.tokenizer, proposer, ids, req.sampling, self.stops(req), policy, cancel, clock, tree_rows
         )

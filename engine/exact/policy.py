@@ -17,8 +17,13 @@ Fallback: when the last few speculative steps deliver fewer tokens per second th
 for `cooldown` plain steps. Draft-length cap: the next draft is limited to twice the furthest any of the last few
 drafts got before its first rejection (SpecPolicy.draft_cap). Every decision is returned as a PolicyEvent.
 
-PolicyConfig is what the user asked for (frozen); SpecPolicy holds one run's state: the current K, the measured
-costs, the recent steps and the cooldown counter.
+Costs: with a calibration (engine.exact.calibration: the passes' costs measured once per machine and model, and
+stored), every decision reads those costs and nothing timed during the run, so the same request drafts the same
+plan whatever else the machine does meanwhile; only acceptance, which the tokens decide, moves it. Without one (a
+policy built alone, as in its unit tests) the costs are learned from the run's own steps.
+
+PolicyConfig is what the user asked for (frozen); SpecPolicy holds one run's state: the current K, the costs, the
+recent steps and the cooldown counter.
 """
 
 from __future__ import annotations
@@ -60,19 +65,34 @@ class PolicyConfig:
             raise SettingsError(f"the draft-length cap needs cap_steps >= 0 (0 = off), got {self.cap_steps}")
 
 
+@dataclass(frozen=True)
+class Costs:
+    """What the passes cost on this machine, measured once (engine.exact.calibration): the policy's cost model."""
+
+    target_step_ms: float  # one plain decoding step: a target pass over one token
+    verify_ms: dict[int, float]  # a target pass over m tokens (m = drafts + 1) -> ms, for m = 1 .. the longest
+    draft_ms_per_token: float | None  # one draft-model token (None: no draft model)
+
+    @property
+    def verify_ms_per_token(self) -> float:
+        """What each token more costs a pass, on average over the curve (beta * target_step_ms)."""
+        longest = max(self.verify_ms)
+        return max(0.0, self.verify_ms[longest] - self.target_step_ms) / max(longest - 1, 1)
+
+
 class SpecPolicy:
-    """One run's policy: its PolicyConfig and what the run has measured and decided so far."""
+    """One run's policy: its PolicyConfig, its costs and what the run has decided so far."""
 
     def __init__(self, config: PolicyConfig, target_step_ms: float | None = None,
-                 verify_ms: dict[int, float] | None = None):
+                 verify_ms: dict[int, float] | None = None, costs: Costs | None = None):
         self.config = config
         self.current_k = config.k
-        self.target_step_ms = target_step_ms  # one plain decoding step: from the backend's baseline runs, or measured
-        self.draft_ms_per_token: float | None = None
-        self.verify_ms_per_token: float | None = None  # beta * target_step_ms
-        # one target pass over m tokens (m = drafts + 1) -> its measured ms; the backend passes the same dict to
-        # every run, so the costs learned in one run serve the next
-        self.verify_ms = {} if verify_ms is None else verify_ms
+        self.fixed = costs is not None  # a calibration's costs: never changed by what the run times
+        self.target_step_ms = costs.target_step_ms if costs else target_step_ms  # one plain decoding step
+        self.draft_ms_per_token: float | None = costs.draft_ms_per_token if costs else None
+        self.verify_ms_per_token: float | None = costs.verify_ms_per_token if costs else None  # beta * step
+        # one target pass over m tokens (m = drafts + 1) -> ms
+        self.verify_ms = dict(costs.verify_ms) if costs else {} if verify_ms is None else verify_ms
         self.recent: deque[StepRecord] = deque(maxlen=config.window)  # the last speculative steps
         self.plain_left = 0  # plain steps left before speculation resumes
         self.seen_first = False
@@ -141,12 +161,14 @@ class SpecPolicy:
         if not self.seen_first:  # the first draft pass also prefilled the prompt (step 0: the target's too)
             self.seen_first = True
             return []
-        self.draft_ms_per_token = _ema(self.draft_ms_per_token, step.draft_ms / step.drafted)
-        self.verify_ms[step.drafted + 1] = _ema(self.verify_ms.get(step.drafted + 1), step.verify_ms)
+        if not self.fixed:
+            self.draft_ms_per_token = _ema(self.draft_ms_per_token, step.draft_ms / step.drafted)
+            self.verify_ms[step.drafted + 1] = _ema(self.verify_ms.get(step.drafted + 1), step.verify_ms)
         decisions = []
         if self.target_step_ms:
-            extra = max(0.0, step.verify_ms - self.target_step_ms) / step.drafted
-            self.verify_ms_per_token = _ema(self.verify_ms_per_token, extra)
+            if not self.fixed:
+                extra = max(0.0, step.verify_ms - self.target_step_ms) / step.drafted
+                self.verify_ms_per_token = _ema(self.verify_ms_per_token, extra)
             if cfg.dynamic and not cfg.per_token:
                 decisions += self._choose_k(step)
             elif self.stops_per_token and self.current_k != cfg.k_max:
@@ -160,13 +182,22 @@ class SpecPolicy:
         return decisions
 
     def _observe_plain(self, step: StepRecord) -> list[PolicyEvent]:
-        self.target_step_ms = _ema(self.target_step_ms, step.verify_ms)
+        if not self.fixed:
+            self.target_step_ms = _ema(self.target_step_ms, step.verify_ms)
         if self.plain_left:
             self.plain_left -= 1
             if self.plain_left == 0:
                 why = f"trying speculation again after {self.config.cooldown} plain steps"
                 return [_event(step, PolicyAction.RESUME, self.current_k, why)]
         return []
+
+    def step_ms(self, step: StepRecord) -> float:
+        """What `step` cost: as timed, or, with a calibration's costs, as those costs say it costs (a draft model's
+        tokens at its per-token cost, n-gram drafts free, the pass from the verify curve)."""
+        if not self.fixed:
+            return step.draft_ms + step.verify_ms
+        drafting = step.drafted * (self.draft_ms_per_token or 0.0) if step.drafter == "draft" else 0.0
+        return drafting + self.verify_cost(step.drafted + 1)
 
     def _choose_k(self, step: StepRecord) -> list[PolicyEvent]:
         alpha = acceptance_alpha(self.recent)
@@ -182,7 +213,7 @@ class SpecPolicy:
             return []
         steps = [s for s in self.recent if s.step > 0]  # step 0's passes also read the prompt
         tokens = sum(s.emitted for s in steps)
-        ms = sum(s.draft_ms + s.verify_ms for s in steps)
+        ms = sum(self.step_ms(s) for s in steps)
         spec_rate, plain_rate = 1000 * tokens / ms, 1000 / self.target_step_ms
         if spec_rate >= plain_rate:
             return []

@@ -44,6 +44,7 @@ from engine.llamacpp.server import DRAFT_MODEL_METHODS, METHODS, EngineConfig, L
 from engine.llamacpp.steps import StepTracker
 from engine.metrics import run_metrics
 from engine.request import Request
+from engine.limits import SettingsError
 from engine.vllm.backend import UNKNOWN_STEP_FIGURES
 from engine.vllm.client import Cancelled, VLLMError, stream_chunks
 
@@ -206,6 +207,12 @@ class LlamaCppBackend:
             if error is None:
                 return
         raise LlamaCppError(f"the new drafting settings failed; the previous ones run again. {error}")
+
+    def calibration(self) -> dict:
+        return {}  # the llama.cpp server's own policy drafts: it has no cost model of ours
+
+    def recalibrate(self) -> dict:
+        raise SettingsError("the llama.cpp server drafts by its own settings: there is no cost model to measure")
 
     def drafting(self) -> dict:
         """The speculative engine's drafting settings, as reconfigure() takes them ({} where not known)."""

@@ -197,6 +197,12 @@ class VLLMBackend:
         return cls(baseline_url, speculative_url, roots[1][0], api_key, max_model_len=roots[1][2],
                    speculative=speculative, extra=extra)
 
+    def calibration(self) -> dict:
+        return {}  # the vLLM server's own policy drafts: it has no cost model of ours
+
+    def recalibrate(self) -> dict:
+        raise SettingsError("the vLLM server drafts by its own settings: there is no cost model to measure")
+
     def drafting(self) -> dict:
         return dict(self.speculative_config)
 

@@ -1,0 +1,119 @@
+"""The speculative policy's cost model, measured once per machine and model pair and stored.
+
+The policy (engine.exact.policy) decides how far to draft from three costs: a plain target step, a target pass over
+m tokens for each m, and a draft token. Learned from the run's own timings, they made the plan depend on whatever
+else the machine did meanwhile (the page's drawing shifted a pass by a few per cent, and with it the plan). Measured
+once here, in a quiet moment, and stored, they make the same request draft the same plan in the page, in the
+terminal and in a benchmark; "measure again" refreshes them.
+
+The store is a JSON file per key under the cache (engine.loading.weights.cache_dir), the key naming what the costs
+depend on: the CPU (model and instruction sets), torch's version and threads, the device, and the two models as
+loaded (their names carry the target's precision).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from engine.exact.forward import forward, new_cache, rollback
+from engine.exact.policy import Costs, PolicyConfig
+from engine.loading.weights import cache_dir
+
+log = logging.getLogger(__name__)
+
+CONTEXT = 128  # tokens in the cache while passes are timed: a typical prompt's length
+REPEATS = 5  # timed passes per length, after one that warms up; the median is kept
+
+
+def machine() -> dict:
+    """What the costs depend on besides the models."""
+    cpu, flags = platform.processor(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return {"cpu": cpu, "flags": hashlib.sha1(flags.encode()).hexdigest()[:12], "torch": torch.__version__,
+            "threads": torch.get_num_threads()}
+
+
+def key(models: dict) -> str:
+    return hashlib.sha1(json.dumps(machine() | models, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _median_ms(run, repeats: int) -> float:
+    times = []
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        run()
+        times.append(1000 * (time.perf_counter() - t))
+    return statistics.median(times[1:])
+
+
+@torch.inference_mode()
+def _pass_ms(model, rows: int, repeats: int) -> float:
+    """ms of one pass over `rows` tokens after CONTEXT cached ones."""
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    context = torch.randint(0, vocab, (CONTEXT,), generator=g).tolist()
+    extra = torch.randint(0, vocab, (rows,), generator=g).tolist()
+    cache = new_cache(model)
+    forward(model, context, cache, keep=1)
+
+    def one():
+        forward(model, extra, cache, keep=rows)
+        rollback(cache, CONTEXT)
+
+    return _median_ms(one, repeats)
+
+
+def measure(target, draft=None, k_max: int = PolicyConfig.k_max, repeats: int = REPEATS) -> Costs:
+    """Time the target's passes over 1 .. k_max + 1 tokens and a draft token (`target`, `draft`: nn.Modules)."""
+    t = time.perf_counter()
+    curve = {m: _pass_ms(target, m, repeats) for m in range(1, k_max + 2)}
+    draft_ms = _pass_ms(draft, 1, repeats) if draft is not None else None
+    log.info("calibrated the policy's costs in %.1f s: plain step %.1f ms, pass over %d tokens %.1f ms, draft token "
+             "%s ms", time.perf_counter() - t, curve[1], k_max + 1, curve[k_max + 1],
+             f"{draft_ms:.1f}" if draft_ms is not None else "-")
+    return Costs(curve[1], curve, draft_ms)
+
+
+def as_dict(costs: Costs, about: dict) -> dict:
+    return {"target_step_ms": costs.target_step_ms, "verify_ms": {str(m): v for m, v in costs.verify_ms.items()},
+            "draft_ms_per_token": costs.draft_ms_per_token, **about}
+
+
+def from_dict(d: dict) -> Costs:
+    return Costs(float(d["target_step_ms"]), {int(m): float(v) for m, v in d["verify_ms"].items()},
+                 None if d.get("draft_ms_per_token") is None else float(d["draft_ms_per_token"]))
+
+
+def stored(models: dict, target, draft, refresh: bool = False) -> tuple[Costs, dict]:
+    """The stored costs for `models` (a description: names, device), measured and stored first where there are none
+    (or with `refresh`). Returns the costs and what the page shows of them (when, where, the file)."""
+    path = cache_dir() / "calibration" / f"{key(models)}.json"
+    if not refresh:
+        try:
+            d = json.loads(path.read_text())
+            return from_dict(d), d
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # none yet, or unreadable: measured again below
+    costs = measure(target, draft)
+    d = as_dict(costs, {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "models": models,
+                        "file": str(path)})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(d, indent=1))
+    tmp.replace(path)  # a killed write leaves the old file or none, never half of one
+    return costs, d

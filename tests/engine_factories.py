@@ -1,0 +1,40 @@
+"""Backends an engine process builds in the tests (engine.process): module-level, so that they pickle. Each builds
+the same models as the fixtures of tests/conftest.py (the same seeds), so that the process serves what the test
+process would."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+def tiny_chat_backend(on_progress=None, hidden: int = 0):
+    """A LocalBackend over conftest's tiny_chat_pair: SmolLM2's tokenizer, random tiny models. `hidden`: wider
+    models instead (passes of milliseconds rather than a fraction of one), built the same way."""
+    from transformers import AutoTokenizer
+
+    from engine.exact.backend import LocalBackend
+    from engine.exact.optimize import prepare_draft, prepare_target
+    from engine.loading.models import LoadedModel
+    from engine.loading.weights import dequantized_dir
+    from tests.conftest import CPU, perturbed, tiny_llama
+
+    tokenizer = AutoTokenizer.from_pretrained(dequantized_dir("smollm2-135m-instruct"))
+    if on_progress:
+        on_progress("building the tiny models", 0, 1)
+    target = tiny_llama(len(tokenizer), seed=3, **({"hidden": hidden} if hidden else {}))
+    draft = perturbed(target, 0.6, seed=4)
+    target, draft = prepare_target(target, CPU), prepare_draft(draft, CPU, int8=False)
+    return LocalBackend(LoadedModel("tiny", target, tokenizer, CPU), LoadedModel("tiny-draft", draft, tokenizer, CPU))
+
+
+def failing_backend(on_progress=None):
+    """A backend whose models cannot load."""
+    from engine.loading.models import ModelError
+
+    raise ModelError("no such model: planted by the test")
+
+
+def dying_backend(on_progress=None):
+    """A process that dies while it loads (as one killed by the kernel's OOM killer would)."""
+    os.kill(os.getpid(), signal.SIGKILL)
