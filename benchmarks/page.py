@@ -364,7 +364,7 @@ def main(argv=None) -> int:
     config = (f"{args.backend} backend, preset {' '.join([args.preset, *args.launch])}, {view}"
               f"{args.max_new_tokens} new tokens")
     out.write(f"\n#### {machine_kind()}: {config}\n\n"
-              f"`python -m benchmarks.page {' '.join(argv if argv is not None else sys.argv[1:])}`: greedy, fair "
+              f"`{' '.join(['python -m benchmarks.page', *(argv if argv is not None else sys.argv[1:])])}`: greedy, fair "
               f"mode, {len(page)} pairs ({args.sessions} sessions of {args.runs} after a warm-up pair); machine: "
               f"{machine()}; {time.strftime('%Y-%m-%d %H:%M')}\n\n")
     out.write("| figure | page | API | page / API |\n| --- | --- | --- | --- |\n")

@@ -7,17 +7,19 @@ their engine process (engine.process), driven as fair mode drives them: one pass
 run's clock in the engine process runs only while the stream computes, so the wall time the console waits beyond it
 is the boundary: the round trip, pickling the pass's events, and waking the threads on both sides. Prints, per
 engine, the median ms per pass and per output token of that boundary with a 95 % interval over the runs, and its
-share of the run. Nothing here is a test.
+share of the run, and replaces this machine's table in docs/design.md. Nothing here is a test.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import logging
 import statistics
 import sys
 import time
 
+from benchmarks.doc_table import machine_kind, write_table
 from engine.analysis.stats import bootstrap_ci
 from engine.setup import setup
 
@@ -67,9 +69,11 @@ def main(argv=None) -> int:
                 row = one_run(host.backend, engine, req)
                 if i:
                     kept.append(row)
-        out = sys.stdout
-        out.write(f"\nthe engine process's boundary: {host.label}; {args.max_new_tokens} new tokens, greedy, "
-                  f"{args.runs} runs per engine after a warm-up; machine: {machine()}; {time.strftime('%Y-%m-%d')}\n")
+        out = io.StringIO()
+        command = " ".join(["python -m benchmarks.process_cost", *(argv if argv is not None else sys.argv[1:])])
+        out.write(f"\n#### {machine_kind()}: what the boundary costs\n\n`{command}`: {host.label}; "
+                  f"{args.max_new_tokens} new tokens, greedy, {args.runs} runs per engine after a warm-up; machine: "
+                  f"{machine()}; {time.strftime('%Y-%m-%d %H:%M')}\n\n")
         out.write("| engine | ms per pass | ms per output token | share of the run | tok/s |\n"
                   "| --- | --- | --- | --- | --- |\n")
         for engine, kept in rows.items():
@@ -79,6 +83,8 @@ def main(argv=None) -> int:
                 cells.append(f"{point:{form}} [{low:{form}}, {high:{form}}]")
             tps = statistics.median(r["tokens_per_s"] for r in kept)
             out.write(f"| {engine} | {' | '.join(cells)} | {tps:.1f} |\n")
+        sys.stdout.write(out.getvalue())
+        write_table("design.md", f"process cost / {machine_kind()}", out.getvalue())
         return 0
     finally:
         host.close()

@@ -29,7 +29,8 @@ def local_factory(args, target_only: bool = False):
     from engine.exact.backend import LocalBackend
 
     preset = replace(preset_of(args), draft=None, method="ngram") if target_only else preset_of(args)
-    return partial(LocalBackend.from_preset, preset, args.device, args.min_rows, precision=args.precision)
+    return partial(LocalBackend.from_preset, preset, args.device, args.min_rows, precision=args.precision,
+                   calibrate=not target_only)
 
 
 def local_host(args) -> ModelHost:
@@ -53,8 +54,11 @@ def local_host(args) -> ModelHost:
         else:
             backend = EngineProcess(local_factory(args), "engine process").start(progress)
         # the status line names what runs: the target's precision ("auto" chose it), and why not int4
-        why = backend.why_float32()
-        served = backend.describe()
+        try:
+            why, served = backend.why_float32(), backend.describe()
+        except Exception:
+            backend.close()  # the host never holds it: nobody else would
+            raise
         note = (f" (float32: {why})" if why else "") + (
             f"; baseline and speculative engine in two processes, memory shares {shares[0]:g} / {shares[1]:g}"
             if shares else "")

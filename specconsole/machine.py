@@ -115,8 +115,9 @@ class ConsoleWork:
         self.quiet_given_up = self.quiet_misses >= 2
 
     def others_in_passes(self) -> dict[str, float]:
-        """Per engine: other processes' CPU use (cores) during its timed passes (a server that ended during the run
-        takes its time along and can leave a negative sum: none is counted then)."""
+        """Per engine: other processes' CPU use (cores) during its timed passes (never below zero: ticks and
+        processes' clocks disagree over short passes either way; and a server that ends during a pass takes its
+        whole CPU time out of the engines' count, which then reads as others')."""
         return {e: round(max(0.0, self.others_s[e]) / max(s, 1e-6), 3) for e, s in self.passes_s.items()}
 
 

@@ -8,9 +8,10 @@ import os
 import signal
 
 
-def tiny_chat_backend(on_progress=None, hidden: int = 0):
+def tiny_chat_backend(on_progress=None, hidden: int = 0, target_only: bool = False):
     """A LocalBackend over conftest's tiny_chat_pair: SmolLM2's tokenizer, random tiny models. `hidden`: wider
-    models instead (passes of milliseconds rather than a fraction of one), built the same way."""
+    models instead (passes of milliseconds rather than a fraction of one), built the same way. `target_only`: the
+    target alone (the baseline's engine process with --local-memory)."""
     from transformers import AutoTokenizer
 
     from engine.exact.backend import LocalBackend
@@ -25,7 +26,11 @@ def tiny_chat_backend(on_progress=None, hidden: int = 0):
     target = tiny_llama(len(tokenizer), seed=3, **({"hidden": hidden} if hidden else {}))
     draft = perturbed(target, 0.6, seed=4)
     target, draft = prepare_target(target, CPU), prepare_draft(draft, CPU, int8=False)
-    return LocalBackend(LoadedModel("tiny", target, tokenizer, CPU), LoadedModel("tiny-draft", draft, tokenizer, CPU))
+    backend = LocalBackend(LoadedModel("tiny", target, tokenizer, CPU),
+                           None if target_only else LoadedModel("tiny-draft", draft, tokenizer, CPU))
+    if not target_only:
+        backend.calibrate()  # now, as a preset's backend does at its start: not in a run's first pass
+    return backend
 
 
 def failing_backend(on_progress=None):

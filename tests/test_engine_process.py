@@ -185,13 +185,14 @@ def test_a_cpu_hog_during_the_passes_marks_the_run_noisy_and_a_quiet_run_is_not(
 
 
 def test_one_device_split_in_two_engine_processes_each_held_to_its_share(backend):
-    """--local-memory: the baseline and the speculative engine in two engine processes, each with its own share of
-    the device's memory (on this CPU: checked against the loaded models; on a GPU also the allocator's cap). Both
-    serve one comparison, each from its own process, with the output the one-process engines give; a share too
-    small for the models refuses to start and says why."""
+    """--local-memory: the baseline (the target alone) and the speculative engine in two engine processes, each with
+    its own share of the device's memory (on this CPU: checked against the loaded models; on a GPU also the
+    allocator's cap). Both serve one comparison of the console's default method (hybrid), each from its own process,
+    with the output the one-process engines give; a share too small for the models refuses to start and says why."""
     from engine.process.split import SplitEngines, parse_shares
 
-    split = SplitEngines.start(tiny_chat_backend, tiny_chat_backend, parse_shares("0.3,0.6"))
+    split = SplitEngines.start(partial(tiny_chat_backend, target_only=True), tiny_chat_backend,
+                               parse_shares("0.3,0.6"))
     try:
         memory = split.memory()["engines"]
         assert (memory["baseline"]["share"], memory["speculative"]["share"]) == (0.3, 0.6)

@@ -60,8 +60,10 @@ class LocalBackend:
     @classmethod
     def from_preset(
         cls, preset: Preset | str, device: str | None = None, min_rows: int = MIN_ROWS,
-        on_progress: Progress | None = None, precision: str = "float32",
+        on_progress: Progress | None = None, precision: str = "float32", calibrate: bool = True,
     ) -> "LocalBackend":
+        """The preset's models, loaded; with `calibrate`, the policy's costs read (or measured and stored) now, so
+        that no run measures them (a backend that never drafts, the baseline's alone, needs none)."""
         if isinstance(preset, str):
             if preset not in PRESETS:
                 raise ModelError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
@@ -76,9 +78,10 @@ class LocalBackend:
         backend.precision, backend.precision_note = precision, why
         backend.stored_as = backend.describe() | {"target": preset.target, "draft": preset.draft, "device": str(dev),
                                                   "min_rows": min_rows}
-        if on_progress:
-            on_progress("the policy's costs (measured once per machine and models, then stored)", 0, 1)
-        backend.calibrate()
+        if calibrate:
+            if on_progress:
+                on_progress("the policy's costs (measured once per machine and models, then stored)", 0, 1)
+            backend.calibrate()
         return backend
 
     @classmethod
@@ -161,13 +164,14 @@ class LocalBackend:
     def close(self) -> None:
         pass  # the models go with the process
 
-    def prompt_ids(self, req: Request) -> list[int]:
-        """The prompt as the target's tokens, after checking that this backend can serve `req`."""
+    def prompt_ids(self, req: Request, drafting: bool = True) -> list[int]:
+        """The prompt as the target's tokens, after checking that this backend can serve `req` (`drafting`: its
+        drafting too; the baseline drafts nothing)."""
         req.validate()
-        if needs_draft(req.method) and self.draft is None:
+        if drafting and needs_draft(req.method) and self.draft is None:
             raise SettingsError(f"this setup has no draft model, which {req.method} drafting needs: choose n-gram "
                                 "drafting or load a draft")
-        if needs_draft(req.method) and req.draft_vocab > self.draft.vocab_size:
+        if drafting and needs_draft(req.method) and req.draft_vocab > self.draft.vocab_size:
             raise SettingsError(f"the draft vocabulary (FR-Spec) must be 0 (full) or between {MIN_DRAFT_VOCAB} and "
                                 f"the draft's {self.draft.vocab_size} tokens, got {req.draft_vocab}")
         ids = encode_prompt(self.target.tokenizer, req.prompt, req.chat, req.earlier_turns)
@@ -183,7 +187,7 @@ class LocalBackend:
         return StopConditions(req.max_new_tokens, self.target.eos_ids, tuple(s for s in req.stop_strings if s))
 
     def baseline(self, req: Request, cancel: threading.Event | None = None, clock=time.perf_counter) -> Iterator[Event]:
-        ids = self.prompt_ids(req)
+        ids = self.prompt_ids(req, drafting=False)
         t = self.target
         yield from generate_baseline(t.model, t.tokenizer, ids, req.sampling, self.stops(req), cancel, clock)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import platform
 import statistics
 import time
@@ -52,11 +53,14 @@ def key(models: dict) -> str:
     return hashlib.sha1(json.dumps(machine() | models, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _median_ms(run, repeats: int) -> float:
+def _median_ms(run, repeats: int, device: torch.device) -> float:
+    """The median ms of `repeats` calls of run() after one that warms up (on a GPU: until its work is done)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
     for _ in range(repeats + 1):
         t = time.perf_counter()
         run()
+        sync()
         times.append(1000 * (time.perf_counter() - t))
     return statistics.median(times[1:])
 
@@ -75,11 +79,12 @@ def _pass_ms(model, rows: int, repeats: int) -> float:
         forward(model, extra, cache, keep=rows)
         rollback(cache, CONTEXT)
 
-    return _median_ms(one, repeats)
+    return _median_ms(one, repeats, model.device)
 
 
 def measure(target, draft=None, k_max: int = PolicyConfig.k_max, repeats: int = REPEATS) -> Costs:
-    """Time the target's passes over 1 .. k_max + 1 tokens and a draft token (`target`, `draft`: nn.Modules)."""
+    """Time the target's passes over 1 .. k_max + 1 tokens and a draft token (`target`, `draft`: nn.Modules). A
+    run with K above the default ceiling reads longer passes off the curve's mean slope (Costs.verify_ms_per_token)."""
     t = time.perf_counter()
     curve = {m: _pass_ms(target, m, repeats) for m in range(1, k_max + 2)}
     draft_ms = _pass_ms(draft, 1, repeats) if draft is not None else None
@@ -113,7 +118,7 @@ def stored(models: dict, target, draft, refresh: bool = False) -> tuple[Costs, d
     d = as_dict(costs, {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(), "models": models,
                         "file": str(path)})
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two engine processes may store the same key at once
     tmp.write_text(json.dumps(d, indent=1))
     tmp.replace(path)  # a killed write leaves the old file or none, never half of one
     return costs, d

@@ -28,6 +28,7 @@ import queue
 import sys
 import threading
 import time
+from functools import partial
 from multiprocessing.connection import Connection
 from typing import Callable
 
@@ -81,7 +82,11 @@ class Stream(threading.Thread):
             if batch and isinstance(batch[-1], RunResult):
                 batch[-1].metrics["engine_pid"] = os.getpid()  # where the passes ran, saved with the run
                 done = True
-            self.send(("events", self.sid, batch, error, done))
+            try:
+                self.send(("events", self.sid, batch, error, done))
+            except Exception as e:  # noqa: BLE001 - an event that does not pickle: the run ends, and says why
+                self.send(("events", self.sid, [], portable(e), True))
+                return
             if done:
                 return
         if events is not None and hasattr(events, "close"):
@@ -97,8 +102,10 @@ def serve(conn, factory: Callable) -> None:
     lock = threading.Lock()
 
     def send(message) -> None:
+        """One message to the console; pickled first, so that one that does not pickle raises here, whole."""
+        data = pickle.dumps(message)
         with lock:
-            conn.send(message)
+            conn.send_bytes(data)
 
     try:
         backend = factory(lambda stage, done, total: send(("progress", stage, done, total)))
@@ -115,7 +122,10 @@ def serve(conn, factory: Callable) -> None:
             value, error = getattr(backend, name)(*args), None
         except Exception as e:  # noqa: BLE001 - raised again in the console
             value, error = None, portable(e)
-        send(("reply", cid, value, error))
+        try:
+            send(("reply", cid, value, error))
+        except Exception as e:  # noqa: BLE001 - a value that does not pickle
+            send(("reply", cid, None, portable(e)))
 
     while True:
         try:
@@ -123,15 +133,17 @@ def serve(conn, factory: Callable) -> None:
         except (EOFError, OSError):
             log.info("the console is gone: the engine process ends")
             os._exit(0)  # a stream's pass may still run: nothing of it is wanted
+        except Exception:  # noqa: BLE001 - a message that does not unpickle here: refused, the others go on
+            log.exception("a message from the console could not be read")
+            continue
         what = message[0]
         if what == "stop":
             break
         if what == "stream":
             sid, kind, request, engine = message[1:]
-            if kind == "baseline":
-                open_run = lambda cancel, clock, r=request: backend.baseline(r, cancel, clock)  # noqa: E731
-            else:
-                open_run = lambda cancel, clock, r=request, e=engine: backend.speculative(r, cancel, clock, e)  # noqa: E731
+            # open_run(cancel, clock): the backend's stream of this request
+            open_run = (partial(backend.baseline, request) if kind == "baseline"
+                        else partial(backend.speculative, request, engine=engine))
             stream = streams[sid] = Stream(sid, open_run, send)
             stream.start()
         elif what in ("next", "close", "cancel"):

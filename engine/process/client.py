@@ -96,110 +96,123 @@ class EngineProcess:
         self.restarts = 0
         self.died: str | None = None  # why the last engine process ended, once one did
         self._proc = self._conn = None
-        self._lock = threading.Lock()  # the pipe's write end and the tables below
-        self._waiting: dict[int, queue.Queue] = {}  # a call's or a stream's id -> where its answers go
+        self._lock = threading.RLock()  # the pipe's write end and the table below
+        self._waiting: dict[int, queue.Queue] = {}  # this process's calls and streams: id -> where answers go
         self._ids = itertools.count(1)
-        self._restarting: threading.Thread | None = None
+        self._starting = threading.Lock()  # one start at a time: the first, a restart, or close() waiting for one
         self._closed = False
 
     # --- the process ------------------------------------------------------------------------------------------------
 
     def start(self, on_progress: Progress | None = None) -> "EngineProcess":
         """Start the engine process and return once its backend is ready (raises what its loading raised)."""
+        with self._starting:
+            self._start(on_progress)
+        return self
+
+    def _start(self, on_progress: Progress | None) -> None:
+        if self._closed:
+            raise EngineProcessError(f"the {self.what} was closed")
         ours, theirs = socket.socketpair()
         proc = subprocess.Popen([sys.executable, "-m", "engine.process.child", str(theirs.fileno())],
                                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         theirs.close()  # only the child holds it now: its end-of-file tells the child that the console is gone
         conn = Connection(ours.detach())
-        conn.send(sys.path)  # first, so that the factory's module imports there as here
-        conn.send(self.factory)
+        try:
+            conn.send(sys.path)  # first, so that the factory's module imports there as here
+            conn.send(self.factory)
+            message = self._wait_ready(conn, proc, on_progress)
+        except BaseException:
+            conn.close()
+            if _wait(proc, STOP_WAIT_S) is None:  # (a process that failed to load ends by itself)
+                proc.kill()
+                _wait(proc, 5)
+            raise
+        waiting: dict[int, queue.Queue] = {}
+        with self._lock:
+            self._proc, self._conn, self._waiting, self.died = proc, conn, waiting, None
+            self.info = message[1]
+            self.name, self.capabilities, self.pid = self.info["name"], self.info["capabilities"], self.info["pid"]
+        threading.Thread(target=self._read, args=(conn, proc, waiting), daemon=True, name="engine-pipe").start()
+        log.info("%s %d ready", self.what, proc.pid)
+
+    def _wait_ready(self, conn, proc, on_progress: Progress | None) -> tuple:
+        """Relay the loading's progress; return the "ready" message, or raise why there is none."""
         while True:
             try:
                 message = conn.recv()
             except (EOFError, OSError):
-                conn.close()
                 raise EngineProcessError(f"the {self.what} ended while loading ({exit_reason(_wait(proc, 5))})")
             if message[0] == "progress" and on_progress is not None:
                 on_progress(*message[1:])
             elif message[0] == "failed":
-                _wait(proc, STOP_WAIT_S)
-                conn.close()
                 raise message[1]
             elif message[0] == "ready":
-                break
-        self.info = message[1]
-        self.name, self.capabilities, self.pid = self.info["name"], self.info["capabilities"], self.info["pid"]
-        with self._lock:
-            self._proc, self._conn, self.died = proc, conn, None
-        threading.Thread(target=self._read, args=(conn, proc), daemon=True, name="engine-pipe").start()
-        log.info("%s %d ready", self.what, proc.pid)
-        return self
+                return message
 
     @property
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None and self.died is None
 
-    def _read(self, conn, proc) -> None:
-        """Hand each answer to whoever waits for it, until the pipe ends; then tell them all why."""
+    def _read(self, conn, proc, waiting: dict) -> None:
+        """Hand each of this process's answers to whoever waits for it, until its pipe ends; then tell them all why."""
         try:
             while True:
                 message = conn.recv()
                 with self._lock:
-                    waiting = self._waiting.get(message[1])
-                if waiting is not None:
-                    waiting.put(message)
+                    answers = waiting.get(message[1])
+                if answers is not None:
+                    answers.put(message)
         except (EOFError, OSError):
             pass
+        except Exception:  # noqa: BLE001 - an answer that does not unpickle: the process cannot be trusted on
+            log.exception("the %s sent what cannot be read; stopping it", self.what)
+            proc.kill()
         reason = f"the {self.what} ended ({exit_reason(_wait(proc, 5))})"
         with self._lock:
-            if self._proc is not proc:
-                return  # an old process, already replaced
-            self.died = reason
-            waiting, self._waiting = list(self._waiting.values()), {}
-        for w in waiting:
-            w.put(_Died(reason))
-        if not self._closed:
+            current = self._proc is proc
+            if current:
+                self.died = reason
+            stranded = list(waiting.values())
+            waiting.clear()
+        for answers in stranded:
+            answers.put(_Died(reason))
+        if current and not self._closed:
             log.error("%s; starting a fresh one", reason)
-            self._restart_in_background()
+            threading.Thread(target=self._restart, daemon=True, name="engine-restart").start()
 
-    def _restart_in_background(self) -> None:
-        def restart():
-            try:
-                self.start(lambda stage, done, total: log.info("restarting the engines: %s", stage))
+    def _restart(self) -> None:
+        """A fresh engine process after one died, unless one was started meanwhile or the console is closing."""
+        try:
+            self._ready(lambda stage, done, total: log.info("restarting the engines: %s", stage))
+        except Exception:  # noqa: BLE001 - the next call tries again and says why
+            log.exception("the fresh %s did not start", self.what)
+
+    def _ready(self, on_progress: Progress | None = None) -> None:
+        """Before each call: start a fresh engine process where the last one is gone (or wait for the start under
+        way)."""
+        with self._starting:
+            if self._closed:
+                raise EngineProcessError(f"the {self.what} was closed")
+            if not self.alive:
+                self._start(on_progress)
                 self.restarts += 1
-            except Exception:  # noqa: BLE001 - the next call tries again and says why
-                log.exception("the fresh %s did not start", self.what)
-
-        with self._lock:
-            if self._restarting is None or not self._restarting.is_alive():
-                self._restarting = threading.Thread(target=restart, daemon=True, name="engine-restart")
-                self._restarting.start()
-
-    def _ready(self) -> None:
-        """Before each call: wait for a restart under way; start one where the process is gone."""
-        if self._closed:
-            raise EngineProcessError(f"the {self.what} was closed")
-        restarting = self._restarting
-        if restarting is not None:
-            restarting.join()
-        if not self.alive:
-            self.start()
-            self.restarts += 1
 
     def _send(self, message) -> None:
         with self._lock:
             self._tell(message)
 
-    def _ask(self, key: int, message) -> queue.Queue:
-        """Send `message` and return the queue its answers (or a _Died) arrive in."""
+    def _ask(self, key: int, message) -> tuple[queue.Queue, dict]:
+        """Send `message`; return the queue its answers (or a _Died) arrive in, and the table it waits in."""
         answers: queue.Queue = queue.Queue()
         with self._lock:
+            waiting = self._waiting
             if self.died is None:
-                self._waiting[key] = answers
+                waiting[key] = answers
                 if self._tell(message):
-                    return answers
+                    return answers, waiting
             answers.put(_Died(self.died or f"the {self.what} ended"))
-        return answers
+        return answers, waiting
 
     def _tell(self, message) -> bool:
         """Send under the lock; False where the pipe is broken (the reader then reports why)."""
@@ -212,20 +225,24 @@ class EngineProcess:
     def _call(self, name: str, *args):
         self._ready()
         cid = next(self._ids)
-        answer = self._ask(cid, ("call", cid, name, args)).get()
+        answers, waiting = self._ask(cid, ("call", cid, name, args))
+        answer = answers.get()
         with self._lock:
-            self._waiting.pop(cid, None)
+            waiting.pop(cid, None)
         if isinstance(answer, _Died):
-            raise EngineProcessError(f"{answer.reason}; a fresh one is starting: try again")
+            then = "it was closed" if self._closed else "a fresh one is starting: try again"
+            raise EngineProcessError(f"{answer.reason}; {then}")
         _, _, value, error = answer
         if error is not None:
             raise error
         return value
 
     def close(self) -> None:
-        """Stop the engine process (killed if it does not end within STOP_WAIT_S); safe to call twice."""
+        """Stop the engine process (killed if it does not end within STOP_WAIT_S); safe to call twice, and while a
+        fresh one is starting (that one is stopped once it is up)."""
         self._closed = True
-        proc, conn = self._proc, self._conn
+        with self._starting:
+            proc, conn = self._proc, self._conn
         if proc is None:
             return
         if proc.poll() is None:
@@ -249,7 +266,7 @@ class EngineProcess:
         self._ready()
         sid = next(self._ids)
         seen, cancelled = _Seen(), False
-        answers = self._ask(sid, ("stream", sid, kind, req, engine))
+        answers, waiting = self._ask(sid, ("stream", sid, kind, req, engine))
         try:
             while True:
                 if cancel is not None and cancel.is_set() and not cancelled:
@@ -259,7 +276,7 @@ class EngineProcess:
                     self._send(("next", sid))
                 answer = answers.get()
                 if isinstance(answer, _Died):
-                    yield self._died_result(kind, seen, answer.reason)
+                    yield self._died_result(kind, "none" if kind == "baseline" else req.method, seen, answer.reason)
                     return
                 _, _, events, error, done = answer
                 for event in events:
@@ -273,13 +290,13 @@ class EngineProcess:
                     return
         finally:
             with self._lock:
-                self._waiting.pop(sid, None)
-                if self.died is None:
+                waiting.pop(sid, None)
+                if self.died is None and waiting is self._waiting:
                     self._tell(("close", sid))
 
-    def _died_result(self, kind: str, seen: _Seen, reason: str) -> RunResult:
+    def _died_result(self, kind: str, method: str, seen: _Seen, reason: str) -> RunResult:
         """The RunResult of a run whose engine process died: what it had streamed, and why it ended."""
-        result = RunResult(engine=kind, method="", prompt_tokens=0, tokens=seen.tokens, steps=seen.steps,
+        result = RunResult(engine=kind, method=method, prompt_tokens=0, tokens=seen.tokens, steps=seen.steps,
                            policy=seen.policy, finish_reason="error",
                            error=f"{reason}. What it had streamed is kept; a fresh engine process is starting for "
                                  "the next run.")

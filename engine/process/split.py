@@ -64,30 +64,20 @@ class SplitEngines:
     @classmethod
     def start(cls, baseline: Callable, speculative: Callable, shares: tuple[float, float],
               on_progress: Progress | None = None) -> "SplitEngines":
-        """Start both engine processes at once (`baseline`, `speculative`: picklable factories)."""
+        """Start the two engine processes (`baseline`, `speculative`: picklable factories), one after the other: the
+        speculative one measures the policy's costs as it starts, and the other's loading would disturb that."""
         from functools import partial
 
-        processes = [EngineProcess(partial(with_memory_share, share, factory), f"{role} engine process")
-                     for role, factory, share in (("baseline", baseline, shares[0]),
-                                                  ("speculative", speculative, shares[1]))]
-        errors: list[BaseException] = []
-
-        def start(process: EngineProcess) -> None:
-            try:
-                process.start(on_progress)
-            except BaseException as e:  # noqa: BLE001 - raised below, after both have tried
-                errors.append(e)
-
-        threads = [threading.Thread(target=start, args=(p,), daemon=True) for p in processes]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            for p in processes:
-                p.close()
-            raise errors[0]
-        return cls(*processes)
+        started: list[EngineProcess] = []
+        try:
+            for role, factory, share in (("baseline", baseline, shares[0]), ("speculative", speculative, shares[1])):
+                process = EngineProcess(partial(with_memory_share, share, factory), f"{role} engine process")
+                started.append(process.start(on_progress))
+        except BaseException:
+            for process in started:
+                process.close()
+            raise
+        return cls(*started)
 
     def baseline(self, req, cancel: threading.Event | None = None, clock=time.perf_counter) -> Iterator[Event]:
         return self.baseline_engines.baseline(req, cancel, clock)
