@@ -103,3 +103,25 @@ def test_a_chart_update_reaches_the_page_without_a_panel_change():
     assert feed_of({"baseline": None, "speculative": None}, run="r1") is None  # nothing changes
     assert json.loads(feed_of({"baseline": None}, charts=True, run="r1")) == {"panels": {}, "run": "r1",
                                                                              "charts": True}
+
+
+def test_a_stored_cost_model_is_read_as_numbers_and_its_text_escaped(tmp_path, monkeypatch):
+    """The calibration file under the cache is input: its costs are read as numbers (a string figure is converted,
+    not passed through), its date is shown as literal text, bounded, and nothing else of it reaches the page."""
+    import json
+
+    from engine.exact import calibration
+    from specconsole.tab_run import costs_markdown
+
+    monkeypatch.setenv("SPECCONSOLE_CACHE", str(tmp_path))
+    models = {"target_model": "t", "draft_model": None}
+    path = tmp_path / "calibration" / f"{calibration.key(models)}.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"target_step_ms": "50.0", "verify_ms": {"1": "50.0", "5": 60}, "draft_ms_per_token":
+                                None, "measured_at": "<img src=x onerror=alert(1)>*bold*" * 10,
+                                "machine": "not a dict"}))
+    costs, about = calibration.stored(models, None, None)
+    assert costs.verify_ms == {1: 50.0, 5: 60.0} and costs.target_step_ms == 50.0
+    text = costs_markdown(calibration.as_dict(costs, about))
+    assert "a plain target step **50.0 ms**" in text and "<img" not in text and "not a dict" not in text
+    assert len(about["measured_at"]) <= 40

@@ -95,8 +95,8 @@ def measure(target, draft=None, k_max: int = PolicyConfig.k_max, repeats: int = 
 
 
 def as_dict(costs: Costs, about: dict) -> dict:
-    return {"target_step_ms": costs.target_step_ms, "verify_ms": {str(m): v for m, v in costs.verify_ms.items()},
-            "draft_ms_per_token": costs.draft_ms_per_token, **about}
+    return {**about, "target_step_ms": costs.target_step_ms,
+            "verify_ms": {str(m): v for m, v in costs.verify_ms.items()}, "draft_ms_per_token": costs.draft_ms_per_token}
 
 
 def from_dict(d: dict) -> Costs:
@@ -111,7 +111,11 @@ def stored(models: dict, target, draft, refresh: bool = False) -> tuple[Costs, d
     if not refresh:
         try:
             d = json.loads(path.read_text())
-            return from_dict(d), d
+            # the costs as numbers (from_dict); of the rest only the date, as text: the file's key already names
+            # this machine and these models
+            about = {"measured_at": str(d.get("measured_at", "?"))[:40], "machine": machine(), "models": models,
+                     "file": str(path)}
+            return from_dict(d), about
         except (OSError, ValueError, KeyError, TypeError):
             pass  # none yet, or unreadable: measured again below
     costs = measure(target, draft)
