@@ -115,8 +115,20 @@ def add_llamacpp_args(p: argparse.ArgumentParser) -> None:
                                               "draft:k=2,ngram-simple:k=4:n=3 (method[:k=N][:n_min=N][:p_min=X][:n=N])")
     p.add_argument("--llamacpp-attach", help="BASELINE_URL,SPECULATIVE_URL[,SPECULATIVE_URL...] of llama-server "
                                              "instances already running (the first without speculative decoding)")
+    p.add_argument("--llamacpp-server", default="auto", metavar="auto|wheel|PATH", help=llamacpp_server_help())
     p.add_argument("--llamacpp-api-key-env", default="LLAMACPP_API_KEY",
                    help="environment variable with the attached servers' API key")
+
+
+def llamacpp_server_help() -> str:
+    """--llamacpp-server's help, saying which build this machine has (read from the cache: no probe, no build)."""
+    from engine.llamacpp.native import RELEASE, cached_builds
+
+    built = "; ".join(b.describe() for b in cached_builds()) or "none yet: the first llama.cpp start builds it"
+    return (f"which llama.cpp serves the managed engines. auto: llama-server built here for this CPU from llama.cpp "
+            f"b{RELEASE} with the instruction sets that run here, once, 4-8 min on 2 cores "
+            f"(built here: {built}), or the xllamacpp wheel (AVX2 only) where no compiler can; wheel: that wheel; "
+            "PATH: a llama-server binary of your own")
 
 
 def build_request(args, prompt: str, default_method: str):
@@ -361,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = p.parse_known_args(argv)
     if unknown:  # said by the subcommand's parser, with its usage, as when it parses alone
         commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
-    from engine.loading.models import ModelError
+    from engine.exact.models import ModelError
     from engine.limits import SettingsError
     from engine.setup import setup
 

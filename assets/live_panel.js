@@ -1,11 +1,10 @@
 // The token panels, grown in place. One hidden component (the panel feed) receives one small JSON message per update
 // for all of them (props.value):
-//   {panels: {engine: {run, start, tokens: [span html...], total, status, error, reset, final_html}}, run, ack, charts}
+//   {panels: {engine: {run, start, tokens: [span html...], total, status, error, reset, final_html}}, run, charts}
 // and applies each to the panel `#<engine>-panel .live-panel`: new token spans are appended; spans already shown are
 // never re-created. `reset` (a re-classification) and a missed message (start beyond what is shown, repaired by the
 // last message's final_html) re-render once. One component rather than one per panel: the browser's work per update
 // grows with the number of components an update names, shown or hidden (docs/page-cost.md).
-const CHART_RESIZE_MS = 150;
 const EMPTY = '<div class="tokens"><span class="placeholder">waiting for tokens…</span></div>'
   + '<div class="panel-error" hidden></div><div class="panel-status"></div>';
 
@@ -49,31 +48,13 @@ function purgeLeftGraphs() {
 function apply() {
   if (!props.value) return;
   const update = JSON.parse(props.value);
-  let first = null;
   for (const [engine, m] of Object.entries(update.panels)) {
     const root = document.querySelector('#' + engine + '-panel .live-panel');
-    if (root) { applyTo(root, m); first = first || root; }
+    if (root) applyTo(root, m);
   }
   const run = update.run ?? Object.values(update.panels)[0]?.run;
   if (update.charts) { chartsRun = run; purgeLeftGraphs(); }
   for (const chart of document.querySelectorAll(CHARTS)) chart.classList.toggle('stale-chart', run !== chartsRun);
-  // `ack`: the next timed pass waits until this update is drawn (specconsole/page_drawn.py): once the page has no
-  // work left (the charts draw after the panels, in later tasks), then after its next paint (a frame callback runs
-  // before the paint, a task queued from it after). `charts`: the update also redraws the charts, and plotly draws
-  // each one a second time CHART_RESIZE_MS after (Gradio calls Plots.resize, which waits 100 ms): wait for that too.
-  if (update.ack !== undefined && first) {
-    const word = first.dataset.run + ':' + update.ack;
-    first.dataset.asked = word;  // for tests and benchmarks: the last word asked for, and (below) the last one said
-    const idle = (then) => window.requestIdleCallback ? requestIdleCallback(then, {timeout: 500}) : then();
-    // a beacon: the browser has nothing to handle when it is answered (a Gradio server function's reply arrived just
-    // as the next timed pass started, and its handling fell in that pass)
-    const say = () => {
-      first.dataset.said = word;
-      navigator.sendBeacon(new URL('page_drawn', document.baseURI), word);
-    };
-    const painted = () => requestAnimationFrame(() => setTimeout(say, 0));
-    if (update.charts) idle(() => setTimeout(() => idle(painted), CHART_RESIZE_MS)); else idle(painted);
-  }
 }
 
 watch('value', apply);

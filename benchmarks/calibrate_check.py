@@ -25,7 +25,7 @@ from engine.exact.backend import LocalBackend
 from engine.request import Request
 from engine.analysis.check import ABSURD_NLL, MIN_TOKENS, Z_MIN, copy_fraction, nll_margin, nll_stats, verdict, z_score
 from engine.events import RunResult
-from engine.exact.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.setup import setup
 from specconsole.suites import categories, load_suite
 

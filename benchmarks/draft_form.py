@@ -38,7 +38,7 @@ from engine.exact.backend import LocalBackend
 from engine.exact.forward import forward, new_cache
 from engine.exact.optimize import quantize_linear
 from engine.exact.precision import PRECISIONS
-from engine.loading.models import load
+from engine.exact.models import load
 from engine.presets import PRESETS
 from engine.request import Request
 from engine.setup import setup

@@ -23,7 +23,7 @@ import torch
 
 from benchmarks.timing import code_context, forward_ms_in_turns
 from engine.exact.forward import forward, new_cache
-from engine.loading.models import load
+from engine.exact.models import load
 from engine.prompts import encode_prompt
 from engine.setup import setup
 from engine.exact.vocab import kept_ids, prune_head, token_ranking

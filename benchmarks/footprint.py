@@ -174,7 +174,8 @@ def main() -> None:
         return child(args.child, args.precision)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     sys.path.insert(0, str(ROOT))
-    from engine.loading.weights import SOURCES, cache_dir
+    from engine.cache import cache_dir
+    from engine.loading.weights import SOURCES
 
     cache = cache_dir()
     log.info("machine: %s", machine())

@@ -5,13 +5,15 @@
     python -m benchmarks.llamacpp --humaneval-prompts 4 --mtbench-prompts 4 --repeats 1 --ours   quick check
     python -m benchmarks.llamacpp --ours --precision float32 --fallback   our float32 target, speculation off while it loses
     python -m benchmarks.llamacpp --preset smollm2-ngram --spec ngram-simple:k=4:n=2,ngram-mod:k=4   no draft model
+    python -m benchmarks.llamacpp --ours --wheel-too    also the xllamacpp wheel's plain decoding, against this build
 
 On the preset's GGUF files (the same files `launch.py --backend llamacpp` loads): a llama.cpp engine without
 speculation (llama.cpp plain) and one llama.cpp engine per `--spec` configuration (default: the draft model at
 K=4, where the preset has one, and an n-gram type), each its own llama.cpp server, one after the other with all
-the machine's cores (engine.llamacpp.backend). With --ours, our local engine (the preset's models as the page
-loads them, the page's default settings) runs its baseline and speculative engines on the same prompts in the
-same repeats, so that "ours / llama.cpp plain" is a within-repeat ratio from one run.
+the machine's cores (engine.llamacpp.backend), served by the llama.cpp the console runs (--llamacpp-server: by
+default llama-server built here for this CPU, engine.llamacpp.native). With --ours, our local engine (the preset's
+models as the page loads them, the page's default settings) runs its baseline and speculative engines on the same
+prompts in the same repeats, so that "ours / llama.cpp plain" is a within-repeat ratio from one run.
 
 Greedy, the chat template, the same token budget for every engine. Within a repeat a prompt runs on every engine
 back to back, in the reverse order on odd repeats. Per prompt, each figure is the median over repeats of the figure
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import io
 import logging
 import math
 import os
@@ -33,23 +36,26 @@ import sys
 from dataclasses import replace
 from functools import partial
 
+from benchmarks.doc_table import machine_kind, write_table
 from benchmarks.speed import (NOISE_WARNING, _cell, _median, add_sample_args, describe_prompts, groups, machine,
                               run_engine, sample_plan, with_ci)
+from engine.backend import MAX_EXTRA, extra_engine
 from engine.exact.precision import AUTO, PRECISIONS
 from engine.llamacpp.backend import LlamaCppBackend
-from engine.llamacpp.server import DRAFT_MODEL_METHODS, EngineConfig, LlamaCppError, parse_method
+from engine.llamacpp.server import (DRAFT_MODEL_METHODS, WHEEL, EngineConfig, LlamaCppError, ServerBuild,
+                                    choose_build, parse_method)
 from engine.loading.weights import gguf_model
 from engine.metrics import compare
 from engine.presets import PRESETS
 from engine.process.client import EngineProcess
 from engine.request import Request
 from engine.setup import setup
-from engine.vllm.backend import MAX_EXTRA, extra_engine
 
 log = logging.getLogger("benchmarks.llamacpp")
 
 PLAIN = "baseline"  # llama.cpp plain: the backend's baseline engine
 OURS = ("ours_baseline", "ours_speculative")
+WHEEL_PLAIN = "wheel_plain"  # --wheel-too: the xllamacpp wheel's plain decoding
 
 
 def ours(preset: str, precision: str, threads: int, on_progress=None):
@@ -79,6 +85,8 @@ def run(backends: dict, engine: str, req: Request):
     """One engine's run: "baseline" / "speculative" / "speculative-2" ... of llama.cpp, or ours_*."""
     if engine in OURS:
         return run_engine(backends["ours"], engine[5:], req)
+    if engine == WHEEL_PLAIN:
+        return run_engine(backends["wheel"], PLAIN, req)
     return run_engine(backends["llamacpp"], engine, req)
 
 
@@ -87,6 +95,8 @@ def bench_prompt(backends: dict, reqs: dict, order: list[str], spec_engines: lis
     runs = {engine: run(backends, engine, reqs["ours" if engine in OURS else "llamacpp"]) for engine in order}
     plain = runs[PLAIN]
     row = {"plain_tps": plain.metrics["tokens_per_s"]}
+    if WHEEL_PLAIN in runs:
+        row["wheel"] = {"vs_plain": runs[WHEEL_PLAIN].metrics["tokens_per_s"] / row["plain_tps"]}
     for engine in spec_engines:
         c = compare(plain, runs[engine], greedy=True)
         row[engine] = {"tps": runs[engine].metrics["tokens_per_s"], "speedup": c["speedup"],
@@ -108,12 +118,13 @@ def per_prompt(reps: list[dict], spec_engines: list[str]) -> dict:
     tps = [r["plain_tps"] for r in reps]
     row = {"plain_tps": statistics.median(tps),
            "noise": statistics.stdev(tps) / statistics.mean(tps) if len(tps) > 1 else math.nan}
-    for name in spec_engines + (["ours"] if "ours" in reps[0] else []):
+    for name in spec_engines + [extra for extra in ("ours", "wheel") if extra in reps[0]]:
         figures = [r[name] for r in reps]
         row[name] = {key: _median(f[key] for f in figures) for key in figures[0]
                      if key not in ("identical", "first_divergence")}
-        row[name]["identical"] = all(f["identical"] for f in figures)
-        if name != "ours":
+        if name != "wheel":
+            row[name]["identical"] = all(f["identical"] for f in figures)
+        if name in spec_engines:
             divergences = [f["first_divergence"] for f in figures if f["first_divergence"] is not None]
             row[name]["first_divergence"] = min(divergences) if divergences else None
     return row
@@ -187,6 +198,12 @@ def main(argv=None) -> int:
     p.add_argument("--ours", action="store_true", help="also run our local engine's baseline and speculative")
     p.add_argument("--precision", default=AUTO, choices=(AUTO, *PRECISIONS),
                    help="our target's weights (--ours); default: the console's (int4 where its kernel runs)")
+    p.add_argument("--llamacpp-server", default="auto", metavar="auto|wheel|PATH",
+                   help="which llama.cpp serves llama.cpp's engines, as launch.py takes it (default: built here)")
+    p.add_argument("--wheel-too", action="store_true",
+                   help="also the xllamacpp wheel's plain decoding: wheel / this build, per prompt")
+    p.add_argument("--no-docs", action="store_true", help="print only; by default the table also replaces this "
+                                                          "machine's and configuration's own in docs/llamacpp.md")
     p.add_argument("--fallback", action="store_true",
                    help="our speculative engine switches speculation off while it does not pay (--ours; docs/policy.md)")
     args = p.parse_args(argv)
@@ -201,14 +218,21 @@ def main(argv=None) -> int:
     except LlamaCppError as e:
         log.error("%s", e)
         return 2
-    backends = {"llamacpp": LlamaCppBackend.managed(configs[0], configs[1:])}
+    build = choose_build(args.llamacpp_server)
+    backends = {"llamacpp": LlamaCppBackend.managed(configs[0], configs[1:], build=build)}
     try:
         spec_engines = ["speculative", *(extra_engine(i) for i in range(len(configs) - 1))]
         labels = {engine: c.label() for engine, c in zip(spec_engines, configs)}
         engines = [PLAIN, *spec_engines]
+        if args.wheel_too:
+            backends["wheel"] = LlamaCppBackend.managed(configs[0], build=ServerBuild(None, WHEEL))
+            engines.append(WHEEL_PLAIN)
         ours_req = {}
         if args.ours:  # in its engine process, as the console runs it
-            backends["ours"] = EngineProcess(partial(ours, args.preset, args.precision, args.threads)).start()
+            # the factory by its module's name: run as `-m`, this module is __main__, which the engine process is not
+            from benchmarks.llamacpp import ours as factory
+
+            backends["ours"] = EngineProcess(partial(factory, args.preset, args.precision, args.threads)).start()
             ours_req = {"method": preset.method, "fallback": args.fallback}
             warm = Request(prompt="Hello", max_new_tokens=8, **ours_req)
             for engine in ("baseline", "speculative"):  # first calls pay one-off costs
@@ -242,11 +266,17 @@ def main(argv=None) -> int:
     prompts = [per_prompt(rs, spec_engines) | {"suite": suite, "category": item.category}
                for (suite, item), rs in done]
     rows = groups(prompts)
-    out = sys.stdout
-    import xllamacpp
+    out = io.StringIO()
+    config = (f"preset {args.preset}, llama.cpp {'built here' if not build.wheel else 'wheel'}"
+              f"{', ours ' + args.precision if args.ours else ''}")
+    command = "python -m benchmarks.llamacpp" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    out.write(f"#### {machine_kind()}: {config}\n\n`{command}`\n\nllama.cpp: {build.description}\n")
+    if args.wheel_too:
+        import xllamacpp
 
-    out.write(f"\nllama.cpp build: xllamacpp {getattr(xllamacpp, '__version__', '?')}, CPU features "
-              f"{xllamacpp.get_system_info().strip()}\n")
+        out.write(f"The wheel beside it: xllamacpp {getattr(xllamacpp, '__version__', '?')}, CPU features "
+                  f"{xllamacpp.get_system_info().strip()}; wheel plain / this build's plain over all prompts: "
+                  f"{with_ci([p['wheel']['vs_plain'] for p in prompts], '{:.2f}')}\n")
     repeats = f"{args.repeats} repeat{'s' if args.repeats != 1 else ''}"
     repeats += " (interrupted: fewer for some prompts)" if interrupted else ""
     out.write(f"\nPrompts: {describe_prompts(plan, args.sample_seed)}; {repeats}, engine order reversed on odd "
@@ -273,6 +303,10 @@ def main(argv=None) -> int:
     if noise > NOISE_WARNING:
         out.write(f"\n> **Warning:** machine noise {100 * noise:.1f} % (above {100 * NOISE_WARNING:.0f} %): the "
                   "machine was busy, rerun on a quiet one.\n")
+    sys.stdout.write(out.getvalue())
+    if not args.no_docs and not interrupted:
+        path = write_table("llamacpp.md", f"llamacpp / {machine_kind()} / {config}", out.getvalue())
+        log.info("table written in %s", path)
     return 0
 
 

@@ -25,7 +25,7 @@ import torch
 
 from benchmarks.timing import code_context, forward_ms_in_turns
 from engine.exact.forward import forward
-from engine.loading.models import load
+from engine.exact.models import load
 from engine.exact.optimize import MIN_ROWS, PackedLinear
 from engine.exact.precision import PRECISIONS
 from engine.setup import setup

@@ -41,11 +41,11 @@ from engine.exact.proposers import DraftModelProposer, NgramProposer
 from engine.events import StepRecord
 from engine.exact.decode import generate_baseline
 from engine.exact.backend import LocalBackend
-from engine.exact.policy import SpecPolicy
+from engine.exact.policy import PolicyConfig, SpecPolicy
 from engine.presets import DEFAULT_PRESET, PRESETS
 from engine.prompts import encode_prompt
 from engine.request import DEFAULT_DRAFT_CONFIDENCE, build_request
-from engine.exact.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.setup import setup
 from engine.stops import StopConditions
 
@@ -126,7 +126,7 @@ class Ours:
 
     def __init__(self, curve: dict[int, float], known: bool):
         req = build_request("-", method=PRESETS[DEFAULT_PRESET].method)
-        self.policy = SpecPolicy(req.policy(), target_step_ms=curve[1], verify_ms=dict(curve) if known else {})
+        self.policy = SpecPolicy(PolicyConfig.of(req), target_step_ms=curve[1], verify_ms=dict(curve) if known else {})
         self.lookup = NgramProposer(req.hybrid_min_match, max(req.ngram_max, req.hybrid_min_match))  # as the backend
 
     def __call__(self, trace: Trace, i: int, budget: int) -> tuple[list[int], str]:

@@ -149,8 +149,8 @@ def in_turns(generators: list) -> list:
 def compare_models(prompts: list[str], tokens: int, out, other: str = "float16") -> None:
     """float32 against `other` on the real target: decode speed, and where their greedy outputs part."""
     from engine.exact.decode import generate_baseline
-    from engine.exact.sampling import SamplingParams
-    from engine.loading.models import load
+    from engine.sampling_params import SamplingParams
+    from engine.exact.models import load
     from engine.prompts import encode_prompt
     from engine.stops import StopConditions
 

@@ -5,12 +5,12 @@
     python -m benchmarks.turn_gap --gaps-ms 0 100 --warm-ms 20      # and a 20 ms untimed busy loop after each gap
     python -m benchmarks.turn_gap --precision float16
 
-In the page, each fair-mode turn waits for the browser's word that it drew the last update (specconsole.page_drawn),
-so the engines' passes follow idle gaps of tens to hundreds of ms; through the API they follow each other at once.
-This runs the same comparison through the API (specconsole.runner.Comparison, fair mode, no page) with an untimed
-sleep of each --gaps-ms before every turn, standing in for the page's wait (where the clocks are stopped), the gaps
-taking turns run by run. Prints per gap the medians of the engines' tok/s and of the per-run speedup, and their
-ratios to the first gap's. Nothing here is a test; on a noisy machine, use more runs.
+In the page, each fair-mode turn waits for the page to hand its last update over and for the browser to draw it
+(specconsole.tab_run._hand_over), so the engines' passes follow idle gaps of tens to hundreds of ms; through the API
+they follow each other at once. This runs the same comparison through the API (specconsole.runner.Comparison, fair
+mode, no page) with an untimed sleep of each --gaps-ms before every turn, standing in for the page's wait (where the
+clocks are stopped), the gaps taking turns run by run. Prints per gap the medians of the engines' tok/s and of the
+per-run speedup, and their ratios to the first gap's. Nothing here is a test; on a noisy machine, use more runs.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ class SettingsError(ValueError):
 
 
 MAX_K = 32  # drafts per step: acceptance that deep is nil, and each draft token costs a draft pass
+DYNAMIC_K_MAX = 16  # dynamic K's ceiling unless K itself is higher
 MAX_NEW_TOKENS = 4096  # new tokens per run: a long answer; each is a target pass, so a CPU run stays under an hour
 MAX_TEMPERATURE = 5.0  # beyond it sampling is near-uniform noise: nothing left to measure
 MAX_CONCURRENCY = 64  # parallel requests in one burst: a CPU server saturates at a few, a GPU one well before 64

@@ -12,6 +12,11 @@ from statistics import mean
 
 from engine.events import PolicyAction, RunResult, TokenKind
 
+# figures that need to know which target pass produced which token, where a server cannot say; None prints "unknown"
+UNKNOWN_STEP_FIGURES = {"target_passes": None, "passes_saved": None, "steps": None, "drafted": None,
+                        "accepted": None, "acceptance_rate": None, "mean_accepted_length": None, "mean_k": None,
+                        "per_position_acceptance": []}
+
 
 def expected_tokens_per_pass(a: float, k: float) -> float:
     if a >= 1.0:

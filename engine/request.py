@@ -5,34 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.limits import MAX_K, MAX_NEW_TOKENS, MAX_TEMPERATURE, SettingsError, check_range
+from engine.limits import DYNAMIC_K_MAX, MAX_K, MAX_NEW_TOKENS, SettingsError, check_range
 from engine.methods import PROPOSERS, needs_draft
-from engine.exact.policy import PolicyConfig
+from engine.sampling_params import SamplingParams
 
 # hybrid drafting looks the text up when at least this many tokens repeat verbatim, as prompt-lookup decoding's
 # default n-gram size: one or two tokens ("the", ", ") recur everywhere and would overrule a better draft model
 HYBRID_MIN_MATCH = 3
 # FR-Spec's smallest pruned draft vocabulary: below it even common text falls outside the kept tokens
 MIN_DRAFT_VOCAB = 1024
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 means greedy
-    top_k: int = 0  # 0 means off
-    top_p: float = 1.0
-    seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def validate(self) -> None:
-        check_range("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
-        if self.top_k < 0:
-            raise SettingsError(f"top-k must be 0 (off) or positive, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise SettingsError(f"top-p must be in (0, 1], got {self.top_p}")
 
 
 @dataclass(frozen=True)
@@ -45,7 +26,7 @@ class Request:
     method: str = "draft"  # a key of engine.methods.PROPOSERS: "draft", "ngram", "hybrid", ...
     k: int = 4
     dynamic_k: bool = False
-    k_max: int = PolicyConfig.k_max  # dynamic K's ceiling
+    k_max: int = DYNAMIC_K_MAX  # dynamic K's ceiling
     fallback: bool = False
     draft_confidence: float = 0.0  # stop drafting after a token the draft itself gives less than this (0 = off)
     per_token: bool = True  # with dynamic K, a draft model stops by policy.DraftStop (False: K from the i.i.d. model)
@@ -73,13 +54,8 @@ class Request:
         if self.draft_vocab != 0 and self.draft_vocab < MIN_DRAFT_VOCAB:  # the backend checks the draft's size
             raise SettingsError(f"the draft vocabulary (FR-Spec) must be 0 (the full vocabulary) or at least "
                                 f"{MIN_DRAFT_VOCAB} tokens, got {self.draft_vocab}")
+        check_range("dynamic K's ceiling", self.k_max, 1, MAX_K)
         self.sampling.validate()
-        self.policy().validate()
-
-    def policy(self) -> PolicyConfig:
-        k_max = max(self.k_max, self.k) if self.dynamic_k else self.k
-        return PolicyConfig(k=self.k, dynamic=self.dynamic_k, k_max=k_max, fallback=self.fallback,
-                            per_token=self.per_token and needs_draft(self.method), verify_curve=self.verify_curve)
 
 
 # --- one request builder --------------------------------------------------------------------------------------------
@@ -104,7 +80,7 @@ def build_request(prompt: str = "", *, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, te
         prompt=prompt or "", max_new_tokens=int(max_new_tokens),
         sampling=SamplingParams(float(temperature), int(top_k), float(top_p),
                                 None if seed in (None, "") else int(seed)),
-        method=method, k=int(k), dynamic_k=bool(dynamic_k), k_max=max(16, int(k)),
+        method=method, k=int(k), dynamic_k=bool(dynamic_k), k_max=max(DYNAMIC_K_MAX, int(k)),
         # the draft model's own confidence and vocabulary: meaningless to other proposers, not saved with their runs
         draft_confidence=float(draft_confidence) if needs_draft(method) else 0.0,
         draft_vocab=int(draft_vocab or 0) if needs_draft(method) else 0,

@@ -9,9 +9,6 @@ import warnings
 
 def setup() -> None:
     """Make the settings; idempotent (each one replaces itself or is made once). Imports torch and transformers."""
-    from transformers import AttentionInterface
-
-    from engine.exact.optimize import rowwise_attention
     from engine.serving.http_safety import RedactURLs
 
     # Set once for the process, not with catch_warnings around each call: that is not thread-safe, and the draft
@@ -23,5 +20,3 @@ def setup() -> None:
     httpx_log = logging.getLogger("httpx")
     if not any(isinstance(f, RedactURLs) for f in httpx_log.filters):
         httpx_log.addFilter(RedactURLs())
-    # the attention that engine.exact.optimize's prepare_target / finish name in the model's config
-    AttentionInterface.register("rowwise", rowwise_attention)

@@ -8,7 +8,6 @@ from html import escape
 from pathlib import Path
 
 import gradio as gr
-from starlette.middleware import Middleware
 
 from engine.limits import MAX_UPLOAD_BYTES
 from engine.setup import setup
@@ -16,7 +15,6 @@ from specconsole import tab_history, tab_run, tab_workbench
 from specconsole.frames import quiet_frames
 from specconsole.history import History, HistoryError
 from specconsole.host import ModelHost
-from specconsole.page_drawn import DrawnBeacon
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +68,7 @@ def launch(host: ModelHost, history: History, server_name: str, port: int, auth=
                # localStorage and rewrites all of its records twice a second while a run streams: the History tab
                # keeps the runs, and the browser's time belongs to the engines (docs/page-cost.md)
                run_history=False,
-               app_kwargs={"middleware": [quiet_frames(), Middleware(DrawnBeacon)]})
+               app_kwargs={"middleware": [quiet_frames()]})
     return app
 
 

@@ -77,7 +77,8 @@ def llamacpp_host(args) -> ModelHost:
     from engine.backend import MAX_EXTRA
     from engine.serving.http_safety import redact
     from engine.llamacpp.backend import LlamaCppBackend
-    from engine.llamacpp.server import DRAFT_MODEL_METHODS, EngineConfig, LlamaCppError, check_build, parse_method
+    from engine.llamacpp.server import (DRAFT_MODEL_METHODS, EngineConfig, LlamaCppError, binary_version, check_build,
+                                        choose_build, parse_method)
     from engine.loading.weights import SOURCES, gguf_model
 
     if args.llamacpp_attach:
@@ -97,7 +98,8 @@ def llamacpp_host(args) -> ModelHost:
         if len(extra) > MAX_EXTRA:
             raise LlamaCppError(f"--llamacpp-compare takes at most {MAX_EXTRA} configs, got {len(extra)}")
         for config in (base, *extra):
-            check_build(config)
+            if args.llamacpp_server == "wheel":  # a llama-server binary checks its own options as it starts
+                check_build(config)
             if config.method in DRAFT_MODEL_METHODS and not preset.draft:
                 raise LlamaCppError(f"llama.cpp {config.method} drafting needs a draft GGUF: pass --draft")
     except LlamaCppError as e:
@@ -106,22 +108,32 @@ def llamacpp_host(args) -> ModelHost:
         if spec not in SOURCES and not spec.endswith(".gguf"):
             raise SystemExit(f"llama.cpp loads GGUF files: {spec!r} is neither a known model nor a .gguf file")
 
+    if args.llamacpp_server not in ("auto", "wheel"):
+        try:
+            binary_version(args.llamacpp_server)
+        except LlamaCppError as e:
+            raise SystemExit(str(e)) from e
+
     def factory(progress):
+        build = choose_build(args.llamacpp_server, on_progress=progress)
+        host.label = f"{title}; {build.description}"
         target = str(gguf_model(preset.target, on_progress=progress)[0])
         draft = str(gguf_model(preset.draft, on_progress=progress)[0]) if preset.draft else None
         configs = [replace(c, model=target, draft=draft if c.method in DRAFT_MODEL_METHODS else None)
                    for c in (base, *extra)]
-        return LlamaCppBackend.managed(configs[0], configs[1:], on_progress=progress)
+        return LlamaCppBackend.managed(configs[0], configs[1:], on_progress=progress, build=build)
 
     labels = ", ".join(c.label() for c in (base, *extra))
-    return ModelHost(f"llama.cpp (managed, {args.llamacpp_threads} threads each): {labels}", factory)
+    title = f"llama.cpp (managed, {args.llamacpp_threads} threads each): {labels}"
+    host = ModelHost(title, factory)
+    return host
 
 
 def vllm_host(args) -> ModelHost:
     """vLLM servers: attached (--vllm-attach) or started on the preset's target, one per speculative config."""
     from engine.backend import MAX_EXTRA
     from engine.serving.http_safety import redact
-    from engine.loading.models import resolve
+    from engine.exact.models import resolve
     from engine.vllm.backend import VLLMBackend, memory_shares
     from engine.vllm.config import parse_configs, speculative_config
     from engine.vllm.server import VLLMError, has_gpu

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 MODES = ("fair", "race")
 SAVE_EVERY_S = 1.0  # how often a running comparison appends its new events to the history
-PAGE_WAIT_S = 3.0  # the longest a fair turn waits for the page to draw its last update (page_drawn waits 2 s)
+PAGE_WAIT_S = 3.0  # the longest a fair turn waits for the page to hand its last update over
 THREAD_END_WAIT_S = 5.0  # at the end of a run: the longest its figures wait for an engine thread to finish its turn
 
 
@@ -143,9 +143,8 @@ class Comparison:
         self.saved_events: EventLog | None = None  # what of this run's events the history has
         self._saved_at = 0.0
         self.ui_lock = TurnLock()
-        # clear while the page's last update is being serialised, sent and drawn (specconsole.tab_run,
-        # specconsole.page_drawn); fair mode's turns wait for it, up to PAGE_WAIT_S (a page that went away must not
-        # stall the run)
+        # clear while the page's last update is being serialised and sent (specconsole.tab_run._hand_over); fair
+        # mode's turns wait for it, up to PAGE_WAIT_S (a page that went away must not stall the run)
         self.page_idle = threading.Event()
         self.page_idle.set()
         self.clocks: dict[str, EngineClock] = {}
@@ -223,8 +222,8 @@ class Comparison:
             with self.ui_lock if hold else contextlib.nullcontext():
                 engine = order.popleft()
                 try:
-                    # the page is drawing an update: wait for it, then for the browser's compositing of it (in its
-                    # other threads and processes). A turn that is a whole run (sequential) always waits for quiet:
+                    # the page is handing an update over: wait for it, then for the browser's drawing of it (in its
+                    # processes: wait_until_quiet). A turn that is a whole run (sequential) always waits for quiet:
                     # the page streams during such turns, and its drawing of the comparison's start or of the last
                     # engine's last updates would fall in the next turn.
                     drew = not self.page_idle.is_set() and self.page_idle.wait(PAGE_WAIT_S)

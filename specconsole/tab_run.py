@@ -22,8 +22,8 @@ from pathlib import Path
 import gradio as gr
 
 from engine.backend import ENGINES, MAX_EXTRA, extra_engine
-from engine.limits import MAX_K, MAX_QUEUED_RUNS, SettingsError
-from engine.loading.models import ModelError
+from engine.limits import DYNAMIC_K_MAX, MAX_K, MAX_QUEUED_RUNS, SettingsError
+from engine.exact.models import ModelError
 from engine.methods import METHODS
 from engine.request import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DYNAMIC_K, DEFAULT_K, DEFAULT_MAX_NEW_TOKENS,
                             DEFAULT_SEED, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, MAX_NEW_TOKENS, MIN_DRAFT_VOCAB,
@@ -33,7 +33,6 @@ from specconsole import charts
 from specconsole.history import History
 from specconsole.host import ModelHost
 from specconsole.markup import md
-from specconsole.page_drawn import ACKS, SETTLE_S
 from specconsole.render import PanelFeed, engines_html, figures_html, legend_html, panel_notice
 from specconsole.runner import MODES, Comparison, run_meta
 from specconsole.suites import SuitePrompt, categories, load_suite
@@ -52,7 +51,7 @@ PANEL_EVERY_S = 0.2
 PANEL_WHILE_TIMED_S = 0.5
 FIGURES_EVERY_S = 1.0
 CHART_EVERY_S = 5.0
-STARTING = "starting…"  # a panel's status until its first update
+SETTLE_S = 0.05  # after an update is handed to Gradio, before the next timed pass may start
 QUEUED = ("Queued behind another run: runs go one at a time, because the timings of concurrent runs would share "
           "the CPU. This one starts when that one ends (Stop cancels it).")
 ONE_AT_A_TIME = ("Runs go one at a time (also across browser tabs): the timings of concurrent runs would share the "
@@ -115,16 +114,14 @@ def outputs_of(feed=None, figures=None, plots=None) -> tuple:
             *(plots or (gr.skip(),) * 3))
 
 
-def feed_of(messages: dict, ack: int | None = None, charts: bool = False, run: str | None = None) -> str | None:
+def feed_of(messages: dict, charts: bool = False, run: str | None = None) -> str | None:
     """The panel feed's value for one update: each live panel's message (engine -> PanelFeed.message, None where the
-    panel does not change), and `ack` (specconsole.page_drawn) for the page to answer once it drew the update (with
-    `charts`, the charts too); None when nothing changes. `run` (the panels' run) with `charts`: the page shows
-    the charts as the run's, not faded, even when no panel changes (assets/live_panel.js)."""
+    panel does not change); None when nothing changes. `run` (the panels' run) with `charts` (the update redraws the
+    charts): the page shows the charts as the run's, not faded, even when no panel changes (assets/live_panel.js)."""
     panels = {engine: json.loads(m) for engine, m in messages.items() if m is not None}
     if not panels and not (charts and run):
         return None
-    return json.dumps({"panels": panels} | ({} if run is None else {"run": run}) | ({} if ack is None else {"ack": ack})
-                      | ({"charts": True} if charts else {}))
+    return json.dumps({"panels": panels} | ({} if run is None else {"run": run}) | ({"charts": True} if charts else {}))
 
 
 def notices(engines, message: str) -> str | None:
@@ -211,70 +208,54 @@ def compare_choices(backend):
                           "ngram:k=2,ngram:k=6` (or attach more with `--vllm-attach BASE,SPEC,SPEC2,...`)")
 
 
-def _hand_over(comp: Comparison, update, acks):
+def _hand_over(comp: Comparison, update):
     """Yields one update to Gradio, which postprocesses it (plotly's JSON, the diff to the last one) and sends it to
-    the browser before it asks for the next one; then waits for the browser's word that it drew it (`acks`: the run's
-    acknowledgements, None when none was asked for) or SETTLE_S, and lets the next timed pass go (page_idle)."""
+    the browser before it asks for the next one; then, SETTLE_S later, lets the next timed pass go (page_idle: the
+    turn then also waits until the browser's processes are quiet, runner.Comparison._take_turns)."""
     try:
         yield update
-        if not (acks is not None and ACKS.wait(acks)):
-            time.sleep(SETTLE_S)
+        time.sleep(SETTLE_S)
     finally:
         comp.page_idle.set()
 
 
 def _stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
     """Starts the comparison and yields its updates, throttled (PANEL_EVERY_S or PANEL_WHILE_TIMED_S,
-    FIGURES_EVERY_S, CHART_EVERY_S), until it ends. In fair mode the first turn waits until the browser said it drew
-    the run's start (the panels emptied), and each next timed pass until it drew the last update
-    (specconsole.page_drawn)."""
+    FIGURES_EVERY_S, CHART_EVERY_S), until it ends. In fair mode each next timed pass waits until the last update
+    was handed over (_hand_over)."""
     feeds = {e: PanelFeed(panel_run, show_rejected and e != "baseline") for e in comp.engines}
-    acks = ACKS.open(panel_run) if mode == "fair" else None
     every = PANEL_WHILE_TIMED_S if comp.timed_while_streaming else PANEL_EVERY_S
     # no chart update as the run begins (there is nothing to chart yet, and the three charts' drawing was the
     # browser's largest single cost): the page fades the last run's charts until the first, CHART_EVERY_S in
     last_panel = last_figures = 0.0
     last_chart = time.monotonic()
-    try:
-        if acks is not None:
-            # the first turn waits until the page has drawn the run's start (the click, the last run's panels
-            # emptied): that drawing fell in the first engine's first timed turn, the baseline's prefill
-            comp.page_idle.clear()
-        comp.start()
-        if acks is not None:
-            opening = {e: feeds[e].message([], STARTING) for e in comp.engines}
-            yield from _hand_over(comp, outputs_of(feed_of(opening, ACKS.expect(acks), run=panel_run)), acks)
-        while True:
-            done = comp.poll(timeout=every)
-            now = time.monotonic()
-            if not done and now - last_panel < every:
-                continue
-            figures_due = done or now - last_figures >= FIGURES_EVERY_S
-            chart_due = done or now - last_chart >= CHART_EVERY_S
-            with comp.ui_lock:  # in fair mode: never while an engine's pass is being timed
-                comp.page_idle.clear()  # and the next pass waits until the page has drawn this update (below)
-                results = comp.results
-                panels = {e: feeds[e].message(results[e].tokens, _panel_note(results[e]), results[e].error,
-                                              final=done) for e in comp.engines}
-                if figures_due:
-                    s = results["speculative"]
-                    figures = figures_html(results["baseline"], s, comp.comparison(results), mode,
-                                           rolling_acceptance(s))
-                    if len(comp.engines) > len(ENGINES):  # an N-way run: every engine's figures, in one table
-                        figures += engines_html(results, comp.labels, comp.comparisons(results), mode)
-                    figures += _save_note(comp)
-                plots = figures_for(results, comp.labels) if chart_due else None
-            last_panel = now
-            last_figures, last_chart = (now if figures_due else last_figures), (now if chart_due else last_chart)
-            asked = not done and acks is not None and acks.trusted and any(m is not None for m in panels.values())
-            feed = feed_of(panels, ACKS.expect(acks) if asked else None, charts=plots is not None, run=panel_run)
-            update = outputs_of(feed, figures if figures_due else None, plots)
-            yield from _hand_over(comp, update, acks if asked else None)
-            if done:
-                break
-    finally:
-        if acks is not None:
-            ACKS.close(panel_run)
+    comp.start()
+    while True:
+        done = comp.poll(timeout=every)
+        now = time.monotonic()
+        if not done and now - last_panel < every:
+            continue
+        figures_due = done or now - last_figures >= FIGURES_EVERY_S
+        chart_due = done or now - last_chart >= CHART_EVERY_S
+        with comp.ui_lock:  # in fair mode: never while an engine's pass is being timed
+            comp.page_idle.clear()  # and the next pass waits until this update was handed over (below)
+            results = comp.results
+            panels = {e: feeds[e].message(results[e].tokens, _panel_note(results[e]), results[e].error,
+                                          final=done) for e in comp.engines}
+            if figures_due:
+                s = results["speculative"]
+                figures = figures_html(results["baseline"], s, comp.comparison(results), mode,
+                                       rolling_acceptance(s))
+                if len(comp.engines) > len(ENGINES):  # an N-way run: every engine's figures, in one table
+                    figures += engines_html(results, comp.labels, comp.comparisons(results), mode)
+                figures += _save_note(comp)
+            plots = figures_for(results, comp.labels) if chart_due else None
+        last_panel = now
+        last_figures, last_chart = (now if figures_due else last_figures), (now if chart_due else last_chart)
+        feed = feed_of(panels, charts=plots is not None, run=panel_run)
+        yield from _hand_over(comp, outputs_of(feed, figures if figures_due else None, plots))
+        if done:
+            break
 
 
 def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
@@ -423,7 +404,7 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
             with gr.Accordion("vLLM speculative server (managed vLLM backend)", open=False,
                               visible=False) as vllm_section:
                 vllm_method = gr.Dropdown(list(VLLM_METHODS), value="ngram", label="Method")
-                vllm_k = gr.Slider(1, 16, value=DEFAULT_K, step=1, label="num_speculative_tokens (K)")
+                vllm_k = gr.Slider(1, MAX_K, value=DEFAULT_K, step=1, label="num_speculative_tokens (K)")
                 vllm_draft = gr.Textbox(label="Draft / EAGLE / Medusa model path")
                 vllm_apply = gr.Button("Apply (restarts the speculative server)")
                 vllm_status = gr.Markdown()
@@ -438,7 +419,7 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
                 dynamic_k = gr.Checkbox(
                     value=DEFAULT_DYNAMIC_K, label="Dynamic K",
                     info="draft model: keeps drafting while one more token is expected to pay "
-                         "(up to 16, or K if higher); n-gram: K from the measured costs")
+                         f"(up to {DYNAMIC_K_MAX}, or K if higher); n-gram: K from the measured costs")
             with gr.Row():
                 confidence = gr.Slider(0.0, 0.95, value=DEFAULT_DRAFT_CONFIDENCE, step=0.05,
                                        label="Draft stops below confidence")

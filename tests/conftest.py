@@ -94,7 +94,7 @@ def tiny_chat_pair(smol_tokenizer):
 def backend(tiny_chat_pair, smol_tokenizer):
     """A LocalBackend over tiny_chat_pair (one per test module: it remembers the measured target step)."""
     from engine.exact.backend import LocalBackend
-    from engine.loading.models import LoadedModel
+    from engine.exact.models import LoadedModel
 
     target, draft = tiny_chat_pair
     return LocalBackend(LoadedModel("tiny", target, smol_tokenizer, CPU), LoadedModel("tiny-draft", draft, smol_tokenizer, CPU))
@@ -226,7 +226,7 @@ def set_run(page, prompt: str, max_new: int) -> None:
 TIER_FILES = {
     "browser": ("test_browser.py", "test_browser_faults.py"),
     "vllm": ("test_vllm_real.py", "test_vllm_lifecycle.py"),
-    "llamacpp": ("test_llamacpp.py",),
+    "llamacpp": ("test_llamacpp.py", "test_llamacpp_native.py"),
     "real_weights": ("test_real_weights.py", "test_stop_replay.py"),
 }
 TIER_FIXTURES = {"browser": ("browser", "page")}

@@ -16,7 +16,7 @@ def tiny_chat_backend(on_progress=None, hidden: int = 0, target_only: bool = Fal
 
     from engine.exact.backend import LocalBackend
     from engine.exact.optimize import prepare_draft, prepare_target
-    from engine.loading.models import LoadedModel
+    from engine.exact.models import LoadedModel
     from engine.loading.weights import dequantized_dir
     from tests.conftest import CPU, perturbed, tiny_llama
 
@@ -35,7 +35,7 @@ def tiny_chat_backend(on_progress=None, hidden: int = 0, target_only: bool = Fal
 
 def failing_backend(on_progress=None):
     """A backend whose models cannot load."""
-    from engine.loading.models import ModelError
+    from engine.exact.models import ModelError
 
     raise ModelError("no such model: planted by the test")
 

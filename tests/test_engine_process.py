@@ -14,7 +14,7 @@ import pytest
 from engine.backend import Backend
 from engine.events import StepRecord, TokenEvent
 from engine.limits import SettingsError
-from engine.loading.models import ModelError
+from engine.exact.models import ModelError
 from engine.process.client import EngineProcess, EngineProcessError
 from engine.request import build_request
 from specconsole.history import History

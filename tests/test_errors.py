@@ -9,9 +9,9 @@ from transformers import PreTrainedTokenizerFast
 
 from engine.exact.backend import LocalBackend
 from engine.request import Request
-from engine.loading.models import LoadedModel, ModelError, check_pair, load, resolve
+from engine.exact.models import LoadedModel, ModelError, check_pair, load, resolve
 from engine.limits import SettingsError
-from engine.request import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.loading.weights import Chunk, GGUFSource, WeightsError, assemble, verify_file
 from tests.conftest import CPU
 

@@ -8,7 +8,7 @@ from engine.events import RunResult, TokenKind
 from engine.exact.forward import forward, new_cache
 from engine.exact.decode import generate_baseline, generate_speculative
 from engine.exact.policy import PolicyConfig, SpecPolicy
-from engine.exact.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.stops import StopConditions
 
 GREEDY = SamplingParams()

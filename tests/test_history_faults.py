@@ -24,7 +24,7 @@ from engine.events import PolicyAction, PolicyEvent, Reclassified, RunResult, St
 from engine.exact.decode import _Recorder, generate_speculative
 from engine.metrics import run_metrics
 from engine.exact.policy import PolicyConfig, SpecPolicy
-from engine.exact.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.stops import StopConditions
 from specconsole import runner
 from specconsole.export import export_csv, neutralise

@@ -139,8 +139,8 @@ def test_an_int4_gguf_target_is_stored_mapped_and_greedy_exact(tmp_path, monkeyp
     Linears on the int4 kernel) and with n-grams."""
     from engine.exact.backend import LocalBackend
     from engine.exact.forward import forward, new_cache
-    from engine.loading import int8_store
-    from engine.loading.models import load
+    from engine.exact import int8_store
+    from engine.exact.models import load
     from engine.exact.optimize import Int4Draft
     from engine.metrics import compare
     from engine.presets import custom_preset

@@ -120,7 +120,7 @@ def test_a_machine_without_a_compiler_is_told_why(monkeypatch):
 
 
 def test_load_makes_an_int8_target_and_counts_its_bytes(tmp_path, smol_tokenizer):
-    from engine.loading.models import load
+    from engine.exact.models import load
 
     tiny_llama(len(smol_tokenizer), seed=3).save_pretrained(tmp_path)
     smol_tokenizer.save_pretrained(tmp_path)
@@ -137,8 +137,8 @@ def test_the_stored_form_is_mapped_next_time_and_computes_the_same(tmp_path, mon
     """A GGUF target in int8 is stored once in its running form; the next load maps it (nothing is quantized) and
     gives the same logits bit for bit; a damaged file is built again. SmolLM2's GGUF: its head is tied."""
     from engine.exact.forward import forward, new_cache
-    from engine.loading import int8_store
-    from engine.loading.models import load
+    from engine.exact import int8_store
+    from engine.exact.models import load
 
     def logits(loaded):
         return forward(loaded.model, list(range(100, 140)), new_cache(loaded.model), keep=5)
@@ -162,8 +162,8 @@ def test_the_stored_form_is_mapped_next_time_and_computes_the_same(tmp_path, mon
 
 def test_a_cache_that_cannot_store_the_form_still_loads(tmp_path, monkeypatch):
     """A read-only (or full) cache: the int8 target loads all the same, and no partial file is left."""
-    from engine.loading import int8_store
-    from engine.loading.models import load
+    from engine.exact import int8_store
+    from engine.exact.models import load
 
     def full_disk(*args, **kwargs):
         raise OSError("No space left on device")

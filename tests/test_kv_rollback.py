@@ -6,7 +6,8 @@ import torch
 from engine.exact.proposers import DraftModelProposer
 from engine.exact.forward import forward, move_position, new_cache, rollback
 from engine.exact.optimize import prepare_target
-from engine.exact.sampling import SamplingParams, verify_greedy
+from engine.sampling_params import SamplingParams
+from engine.exact.sampling import verify_greedy
 from tests.conftest import CPU, tiny_llama
 
 PROMPT = [5, 17, 99, 3, 250, 41, 7]

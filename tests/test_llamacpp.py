@@ -22,7 +22,7 @@ from engine.llamacpp.backend import DIVERGENCE_NOTE, LlamaCppBackend
 from engine.llamacpp.server import EngineConfig, LlamaCppEngine, LlamaCppError, check_build, parse_method
 from engine.metrics import compare
 from engine.request import Request
-from engine.exact.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.loading.weights import gguf_model
 
 pytestmark = pytest.mark.llamacpp

@@ -70,7 +70,7 @@ def test_the_converter_refuses_what_it_cannot_run():
 
 
 def test_load_makes_a_float16_target_and_counts_its_bytes(tmp_path, smol_tokenizer):
-    from engine.loading.models import ModelError, load
+    from engine.exact.models import ModelError, load
 
     tiny_llama(len(smol_tokenizer), seed=3).save_pretrained(tmp_path)
     smol_tokenizer.save_pretrained(tmp_path)
@@ -114,7 +114,7 @@ def test_the_token_tree_follows_the_targets_linears(smol_tokenizer):
     """A backend built by hand (not from a preset) still gets no tree with a float16 target, and the padding's rows
     with a float32 one: the rule reads the target's Linears, not the options it was loaded with."""
     from engine.exact.backend import LocalBackend
-    from engine.loading.models import LoadedModel
+    from engine.exact.models import LoadedModel
 
     half = prepare_target(tiny_llama(512, seed=1), CPU, precision="float16")
     assert LocalBackend(LoadedModel("tiny", half, smol_tokenizer, CPU)).tree_rows == 0

@@ -12,10 +12,11 @@ from engine.exact.backend import LocalBackend
 from engine.request import Request
 from engine.events import RunResult, TokenKind
 from engine.metrics import compare
-from engine.loading.models import ModelError, load
+from engine.exact.models import ModelError, load
 from engine.presets import custom_preset
-from engine.exact.sampling import SamplingParams
-from engine.loading.weights import SOURCES, cache_dir, dequantized_dir, gguf_model
+from engine.sampling_params import SamplingParams
+from engine.cache import cache_dir
+from engine.loading.weights import SOURCES, dequantized_dir, gguf_model
 from tests.conftest import CPU
 
 PROMPTS = [
@@ -194,7 +195,8 @@ def test_the_draft_is_stored_in_its_running_form_and_read_next_time(tmp_path, mo
     from engine.exact import grouped_int8
     from engine.exact.forward import forward, new_cache
     from engine.exact.optimize import Int4Draft
-    from engine.loading import gguf_load, int8_store
+    from engine.exact import int8_store
+    from engine.loading import gguf_load
     from tests.conftest import skip_or_fail
 
     if precision == "int4" and grouped_int8.unavailable():

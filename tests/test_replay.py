@@ -94,7 +94,7 @@ def close_backend(smol_tokenizer):
     """conftest's tiny target with a draft much closer to it than conftest's: on this vocabulary conftest's draft
     is never accepted, and the replay should show every kind (accepted, rejected, recovered, bonus)."""
     from engine.exact.backend import LocalBackend
-    from engine.loading.models import LoadedModel
+    from engine.exact.models import LoadedModel
     from engine.exact.optimize import prepare_draft, prepare_target
     from tests.conftest import CPU, perturbed, tiny_llama
 

@@ -9,7 +9,7 @@ from engine.analysis.check import ABSURD_NLL, COPY_FRACTION, MIN_DRAFTS, copy_fr
 from engine.events import RunResult
 from engine.exact.forward import forward, new_cache
 from engine.metrics import compare
-from engine.exact.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from specconsole.export import export_csv
 from specconsole.history import History
 from specconsole.render import figures_html

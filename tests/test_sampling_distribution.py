@@ -16,7 +16,8 @@ from engine.exact.proposers import DraftModelProposer, HybridProposer, NgramProp
 from engine.events import RunResult
 from engine.exact.decode import generate_speculative
 from engine.exact.policy import DraftStop, PolicyConfig, SpecPolicy
-from engine.exact.sampling import SamplingParams, rejection_sample, warp
+from engine.sampling_params import SamplingParams
+from engine.exact.sampling import rejection_sample, warp
 from engine.stops import StopConditions
 from engine.exact.forward import forward, new_cache
 from engine.exact.optimize import prepare_draft, prepare_target

@@ -9,7 +9,7 @@ from benchmarks.stop_replay import Ours, Trace, floor_drafts, record, replay
 from engine.exact.proposers import DraftModelProposer
 from engine.exact.decode import generate_speculative
 from engine.exact.policy import PolicyConfig, SpecPolicy
-from engine.exact.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.stops import StopConditions
 
 PROMPT = [5, 17, 99, 3, 250, 17, 99, 3, 41]

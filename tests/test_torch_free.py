@@ -10,7 +10,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 HTTP_BACKENDS = sorted(f"engine.{package}.{p.stem}" for package in ("vllm", "llamacpp", "serving")
                        for p in (ROOT / "engine" / package).glob("*.py") if p.stem != "__init__")
-TORCH_FREE = (*HTTP_BACKENDS, "engine.presets", "engine.prompts")
+TORCH_FREE = (*HTTP_BACKENDS, "engine.presets", "engine.prompts", "engine.request", "engine.sampling_params",
+              "engine.cache")
 
 # imports each module in turn in a fresh interpreter and prints the first one after which torch is loaded
 FIRST_WITH_TORCH = """

@@ -510,7 +510,7 @@ def test_a_10mb_line_is_cut_off_with_an_error(servers, engine):
 
 
 def test_endless_tokens_are_cut_off_past_max_new_tokens(servers):
-    from engine.vllm.client import TOKEN_MARGIN
+    from engine.serving.stream import TOKEN_MARGIN
 
     def endless():  # 20000 tokens without a finish (bounded only so that a client that never stops ends)
         yield stream()[0]

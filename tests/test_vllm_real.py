@@ -20,7 +20,7 @@ import pytest
 from engine.request import Request
 from engine.events import Reclassified, RunResult, TokenEvent, TokenKind
 from engine.metrics import compare
-from engine.exact.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.vllm.backend import VLLMBackend
 from engine.vllm.config import speculative_config
 from engine.vllm.server import ServerConfig, VLLMError, VLLMServer

@@ -13,14 +13,14 @@ from engine.exact import tree
 from engine.events import Event
 from engine.exact.decode import generate_baseline, generate_speculative, score_outputs
 from engine.methods import PROPOSERS, needs_draft
-from engine.loading.models import LoadedModel, ModelError, check_pair, load, pick_device
+from engine.exact.models import LoadedModel, ModelError, check_pair, load, pick_device
 from engine.presets import PRESETS, Preset
 from engine.prompts import encode_prompt
 from engine.exact.optimize import MIN_ROWS, free_rows
 from engine.exact.precision import AUTO, resolve_precision
 from engine.backend import Capabilities
 from engine.exact import calibration
-from engine.exact.policy import Costs, SpecPolicy
+from engine.exact.policy import Costs, PolicyConfig, SpecPolicy
 from engine.exact.proposers import Draft
 from engine.request import MIN_DRAFT_VOCAB, Request
 from engine.limits import SettingsError
@@ -210,7 +210,7 @@ class LocalBackend:
         costs = self.calibrate()
         if not method.needs_draft:  # n-gram lookup: a drafted token costs next to nothing
             costs = replace(costs, draft_ms_per_token=0.0)
-        policy = SpecPolicy(req.policy(), costs=costs)
+        policy = SpecPolicy(PolicyConfig.of(req), costs=costs)
         yield from generate_speculative(
             t.model, t.tokenizer, proposer, ids, req.sampling, self.stops(req), policy, cancel, clock, tree_rows
         )

@@ -26,7 +26,7 @@ import torch
 
 from engine.exact.forward import forward, new_cache, rollback
 from engine.exact.policy import Costs, PolicyConfig
-from engine.loading.weights import cache_dir
+from engine.cache import cache_dir
 
 log = logging.getLogger(__name__)
 

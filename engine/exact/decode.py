@@ -20,7 +20,8 @@ from engine.exact.forward import forward, new_cache, rollback
 from engine.metrics import run_metrics
 from engine.exact.policy import SpecPolicy
 from engine.exact.proposers import Proposal
-from engine.exact.sampling import SamplingParams, next_token, rejection_sample, verify_greedy, warp
+from engine.exact.sampling import next_token, rejection_sample, verify_greedy, warp
+from engine.sampling_params import SamplingParams
 from engine.stops import Detokenizer, StopConditions, Transcript
 from engine.exact.tree import Tree
 

@@ -7,7 +7,7 @@ float32 scale and low per group (1.25 bytes a weight), and quantizes each row of
 (grouped_int8.cpp: AVX2, or AVX-512 VNNI where the CPU has it; compiled once on first use into the model cache).
 Every output element comes from its own input row by one fixed sequence of operations, so a row gets the same bits
 whatever the pass size: greedy speculative output equals the baseline's, with no padding
-(tests/test_int8_target.py checks 1 to 300 rows). engine.loading.int8_store keeps the result on disk for the next
+(tests/test_int8_target.py checks 1 to 300 rows). engine.exact.int8_store keeps the result on disk for the next
 start.
 
 "int4" (GroupedInt4Linear) runs the same arithmetic on 4-bit codes, two a byte: a GGUF's Q4_K and Q4_1 tensors keep
@@ -74,7 +74,7 @@ def kernel():
     (torch's own lock file in one shared build directory did: every later start hung)."""
     from torch.utils.cpp_extension import load
 
-    from engine.loading.weights import cache_dir
+    from engine.cache import cache_dir
 
     kernels = cache_dir() / "kernels"
     built = kernels / f"grouped_int8-{build_key()}"
@@ -182,7 +182,7 @@ class GroupedInt8Linear(nn.Module):
     @classmethod
     def shell(cls, in_features: int, out_features: int, bias: bool) -> GroupedInt8Linear:
         """A layer whose tensors are meta tensors of the right shapes, to be filled by load_state_dict(...,
-        assign=True) (engine.loading.int8_store: the stored form, mapped from disk)."""
+        assign=True) (engine.exact.int8_store: the stored form, mapped from disk)."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.in_features, layer.out_features = in_features, out_features

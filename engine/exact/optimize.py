@@ -122,7 +122,7 @@ class Int4Draft(nn.Module):
 
     @classmethod
     def shell(cls, in_features: int, out_features: int, bias: bool) -> Int4Draft:
-        """An Int4Draft to be filled by load_state_dict(..., assign=True) (engine.loading.int8_store)."""
+        """An Int4Draft to be filled by load_state_dict(..., assign=True) (engine.exact.int8_store)."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.in_features, layer.out_features = in_features, out_features
@@ -197,7 +197,7 @@ def int8_linear(qweight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
 
 def dynamic_int8_shell(in_features: int, out_features: int, bias: bool) -> nn.Module:
     """A dynamic int8 Linear of that shape whose weight is still a 1x1 placeholder: set_weight_bias, or
-    load_state_dict (engine.loading.int8_store), packs the real one."""
+    load_state_dict (engine.exact.int8_store), packs the real one."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
     layer = DynamicLinear(1, 1, dtype=torch.qint8)
@@ -229,9 +229,17 @@ def linear_converter(role: str, device: torch.device, min_rows: int = MIN_ROWS, 
     return lambda linear: linear.to(device)
 
 
+def register_attention() -> None:
+    """Make "rowwise" a name transformers knows, before a model's config names it (registering again replaces it)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("rowwise", rowwise_attention)
+
+
 def finish(model: nn.Module, role: str) -> nn.Module:
     """The rest of prepare_target / prepare_draft for a model whose Linears linear_converter already converted."""
     if role == "target":
+        register_attention()
         model.config._attn_implementation = "rowwise"
     head = model.get_output_embeddings()
     if isinstance(head, Int4Draft):  # the output layer stays torch's int8: FR-Spec prunes its rows (engine.exact.vocab)

@@ -34,7 +34,8 @@ from typing import Callable
 
 from engine.events import PolicyAction, PolicyEvent, StepRecord
 from engine.metrics import acceptance_alpha, expected_tokens_per_pass
-from engine.limits import MAX_K, SettingsError
+from engine.limits import DYNAMIC_K_MAX, MAX_K, SettingsError
+from engine.methods import needs_draft
 
 
 def _ema(old: float | None, new: float, weight: float = 0.3) -> float:
@@ -48,13 +49,20 @@ class PolicyConfig:
     k: int = 4  # the fixed K, or the first K of a dynamic run
     dynamic: bool = False
     k_min: int = 1
-    k_max: int = 16
+    k_max: int = DYNAMIC_K_MAX
     per_token: bool = True  # with dynamic K, a draft model stops by DraftStop; K is then k_max, the ceiling
     fallback: bool = False
     window: int = 8  # speculative steps that the acceptance estimate and the fallback look at
     cooldown: int = 16  # plain steps before speculation is tried again
     cap_steps: int = 4  # dynamic K: the draft-length cap looks this many speculative steps back (0: no cap)
     verify_curve: bool = True  # DraftStop reads verify(m) measured per m (False: linear in m)
+
+    @classmethod
+    def of(cls, req) -> "PolicyConfig":
+        """The policy an engine.request.Request asks for."""
+        k_max = max(req.k_max, req.k) if req.dynamic_k else req.k
+        return cls(k=req.k, dynamic=req.dynamic_k, k_max=k_max, fallback=req.fallback,
+                   per_token=req.per_token and needs_draft(req.method), verify_curve=req.verify_curve)
 
     def validate(self) -> None:
         if not 1 <= self.k_min <= self.k_max <= MAX_K:

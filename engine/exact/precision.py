@@ -111,7 +111,7 @@ class HalfLinear(nn.Module):
         self.multiple = row_multiple() if multiple is None else multiple
         bias = None if linear.bias is None else linear.bias.detach().float()
         self.packed = torch.ops.quantized.linear_prepack_fp16(linear.weight.detach().float(), bias)
-        # the packed weight is opaque to torch: its size for engine.loading.models' memory figures
+        # the packed weight is opaque to torch: its size for engine.exact.models' memory figures
         self.nbytes = 2 * self.in_features * self.out_features + (0 if bias is None else 4 * self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., rows, in]

@@ -16,7 +16,8 @@ import torch
 
 from engine.exact import tree
 from engine.exact.forward import forward, new_cache, rollback
-from engine.exact.sampling import SamplingParams, sample, warp
+from engine.exact.sampling import sample, warp
+from engine.sampling_params import SamplingParams
 from engine.exact.vocab import PrunedHead
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""Logits warping and verification of draft tokens (SamplingParams, torch-free, is in engine.request).
+"""Logits warping and verification of draft tokens (SamplingParams, torch-free, is in engine.sampling_params).
 
 In one speculation step the proposer drafts K tokens and the target scores them all in one forward pass. The terms
 (every engine, engine.events.TokenKind and the page use them):
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.request import SamplingParams
+from engine.sampling_params import SamplingParams
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -29,7 +29,7 @@ from torch import nn
 
 from engine.exact.optimize import int8_linear
 from engine.limits import SettingsError
-from engine.loading.weights import cache_dir
+from engine.cache import cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -1,1 +1,2 @@
-"""The llama.cpp backend: xllamacpp engines in process, or llama-server instances attached by URL."""
+"""The llama.cpp backend: managed engines (llama-server built here for this CPU, a user's own, or the xllamacpp
+wheel), or llama-server instances attached by URL."""

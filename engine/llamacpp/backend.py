@@ -1,14 +1,15 @@
 """The llamacpp backend: llama.cpp servers, a baseline one and a speculative one (and up to three more speculative
 ones for an N-way comparison), as an engine.backend.Backend.
 
-Managed mode starts them on GGUF files (engine.llamacpp.server: the xllamacpp wheel, llama.cpp's own server, one
-process per engine), one after the other, each with the machine's cores; they take turns in fair mode (both at once
-only where --llamacpp-threads leaves each engine cores of its own and one for the console). Attach mode talks to
-llama-server instances someone already runs (their /completion, /apply-template, /tokenize and /slots).
+Managed mode starts them on GGUF files (engine.llamacpp.server: llama-server built here for this CPU, or the user's
+own, or the xllamacpp wheel where no build is possible; one process per engine), one after the other, each with the
+machine's cores; they take turns in fair mode (both at once only where --llamacpp-threads leaves each engine cores of
+its own and one for the console). Attach mode talks to llama-server instances someone already runs (their
+/completion, /apply-template, /tokenize and /slots).
 
 Drafting is each speculative engine's own configuration (method, K = draft n_max or the n-gram type's length,
 n_min, p_min): this llama.cpp build accepts the per-request "speculative.n_max" / "n_min" / "p_min" fields without
-applying them (tests/test_llamacpp.py measures that), so the request's drafting settings are not applied
+applying them (tests/test_llamacpp.py measures that on the wheel), so the request's drafting settings are not applied
 (ignored_settings) and reconfigure() restarts a managed engine with other ones.
 
 Every token streams with its kind, exact where llama.cpp's per-token timings place it (engine.llamacpp.steps) and
@@ -40,13 +41,13 @@ from engine.backend import DRAFTING_SETTINGS, MAX_EXTRA, Capabilities, cores_lef
 from engine.events import Event, RunResult, StepRecord, TokenEvent, TokenKind
 from engine.serving.http_safety import fetch, redact
 from engine.llamacpp.client import is_last, parse_chunk, render_prompt, request_body
-from engine.llamacpp.server import DRAFT_MODEL_METHODS, METHODS, EngineConfig, LlamaCppEngine, LlamaCppError
+from engine.llamacpp.server import (DRAFT_MODEL_METHODS, METHODS, WHEEL, EngineConfig, LlamaCppEngine, LlamaCppError,
+                                    ServerBuild)
 from engine.llamacpp.steps import StepTracker
-from engine.metrics import run_metrics
+from engine.metrics import UNKNOWN_STEP_FIGURES, run_metrics
 from engine.request import Request
 from engine.limits import SettingsError
-from engine.vllm.backend import UNKNOWN_STEP_FIGURES
-from engine.vllm.client import Cancelled, VLLMError, stream_chunks
+from engine.serving.stream import Cancelled, ServerError, stream_chunks
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +89,11 @@ class LlamaCppBackend:
 
     @classmethod
     def managed(cls, speculative: EngineConfig, extra: list[EngineConfig] | tuple = (), log_dir: Path | None = None,
-                on_progress: Callable | None = None, python: str = sys.executable) -> "LlamaCppBackend":
+                on_progress: Callable | None = None, python: str = sys.executable,
+                build: ServerBuild = ServerBuild(None, WHEEL)) -> "LlamaCppBackend":
         """Start the baseline engine (the speculative config's target, no drafting), the speculative one and one per
-        config in `extra`, one after the other (each load has the machine to itself), then warm them up."""
+        config in `extra`, one after the other (each load has the machine to itself), then warm them up. `build`:
+        which llama.cpp serves them (engine.llamacpp.server.choose_build)."""
         if len(extra) > MAX_EXTRA:
             raise LlamaCppError(f"at most {MAX_EXTRA} extra speculative engines, got {len(extra)}")
         baseline = EngineConfig("baseline", speculative.model, threads=speculative.threads, ctx=speculative.ctx,
@@ -103,7 +106,7 @@ class LlamaCppBackend:
             for i, config in enumerate(configs):
                 if on_progress:
                     on_progress(f"starting the {config.role} llama.cpp engine ({config.label()})", i, len(configs))
-                engine = LlamaCppEngine(config, log_dir, python)
+                engine = LlamaCppEngine(config, log_dir, python, build)
                 engines.append(engine)
                 engine.start()
         except Exception:
@@ -136,7 +139,7 @@ class LlamaCppBackend:
             try:
                 props = _json(url + "/props", headers)
                 slot_list = _json(url + "/slots", headers) if props.get("endpoint_slots", True) else None
-            except (httpx.HTTPError, ValueError, VLLMError) as e:
+            except (httpx.HTTPError, ValueError, ServerError) as e:
                 raise LlamaCppError(f"cannot reach a llama.cpp server at {redact(url)}: {redact(str(e))}") from e
             models[name] = str(props.get("model_path") or "?")
             slots.append(int(props.get("total_slots") or 1))
@@ -194,7 +197,7 @@ class LlamaCppBackend:
         old.stop()
         error = None
         for config in (replace(old.config, **speculative), old.config):
-            engine = LlamaCppEngine(config, old.log_path.parent, old.python)
+            engine = LlamaCppEngine(config, old.log_path.parent, old.python, old.build)
             try:
                 engine.start()
             except LlamaCppError as e:
@@ -293,7 +296,7 @@ class LlamaCppBackend:
                         final, result.finish_reason = chunk, chunk.finish_reason
             except Cancelled:
                 result.finish_reason = "cancelled"
-        except (httpx.HTTPError, VLLMError, ValueError) as e:
+        except (httpx.HTTPError, ServerError, ValueError) as e:
             what = "stopped answering" if isinstance(e, httpx.TimeoutException) else "failed"
             result.finish_reason = "error"
             result.error = redact(f"the {engine} llama.cpp engine {what}: {type(e).__name__}: {e}")
@@ -342,7 +345,7 @@ class LlamaCppBackend:
                     tokens = resp.json().get("tokens") if resp.status_code == 200 else None
                     if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
                         ids = tokens
-                except (httpx.HTTPError, ValueError, VLLMError) as e:
+                except (httpx.HTTPError, ValueError, ServerError) as e:
                     log.warning("could not tokenize a chunk's text to find its token ids: %s", redact(str(e)))
             if ids is None or len(ids) != count or ids[count - len(known):] != known:
                 unknown += count - len(known)
@@ -404,7 +407,7 @@ class LlamaCppBackend:
         url = self.urls["baseline"]
         try:
             prompt = render_prompt(url, self.headers, req)
-        except (httpx.HTTPError, VLLMError, ValueError) as e:
+        except (httpx.HTTPError, ServerError, ValueError) as e:
             raise LlamaCppError(f"the baseline llama.cpp engine could not render the prompt: {redact(str(e))}") from e
         return [self._score_one(url, prompt, list(out)) for out in outputs]
 
@@ -423,7 +426,7 @@ class LlamaCppBackend:
             try:
                 resp = fetch("POST", url + "/completion", json=body, headers=self.headers, timeout=300)
                 data = resp.json() if resp.status_code == 200 else None
-            except (httpx.HTTPError, ValueError, VLLMError) as e:
+            except (httpx.HTTPError, ValueError, ServerError) as e:
                 raise LlamaCppError(f"the baseline llama.cpp engine could not score an output: {redact(str(e))}"
                                     ) from e
             if data is not None or "empty grammar stack" not in resp.text or not forced:

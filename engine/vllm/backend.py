@@ -48,10 +48,12 @@ from engine.backend import DRAFTING_SETTINGS, MAX_EXTRA, Capabilities, cores_lef
 from engine.events import Event, Reclassified, RunResult, StepRecord, TokenEvent, TokenKind
 from engine.serving.http_safety import ResponseRefused, afetch, endpoint, fetch, number, redact
 from engine.limits import SettingsError
-from engine.metrics import run_metrics
+from engine.metrics import UNKNOWN_STEP_FIGURES, run_metrics
 from engine.prompts import chat_messages
-from engine.request import Request, SamplingParams
-from engine.vllm.client import Cancelled, request_body, stream_chunks
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.serving.stream import Cancelled, ServerError, stream_chunks
+from engine.vllm.client import parse_chunk, request_body
 from engine.vllm.metrics import SPEC_COUNTERS, metrics_delta, parse_metrics
 from engine.vllm.server import ServerConfig, VLLMError, VLLMServer, has_gpu
 from engine.vllm.steps import ChunkGuess, Steps, classify, kinds, ngram_drafts, provisional_accuracy, replay_ngram
@@ -182,7 +184,7 @@ class VLLMBackend:
                 model, root = models[0]["id"], models[0].get("root")
                 if not isinstance(model, str) or not isinstance(root, (str, type(None))):
                     raise TypeError("the model's id and root must be strings")
-            except (httpx.HTTPError, httpx.InvalidURL, ResponseRefused, VLLMError, KeyError, IndexError, TypeError,
+            except (httpx.HTTPError, httpx.InvalidURL, ResponseRefused, ServerError, KeyError, IndexError, TypeError,
                     ValueError) as e:
                 raise VLLMError(f"cannot reach a vLLM server at {redact(url)}: {type(e).__name__}: "
                                 f"{redact(str(e))[:300]}") from None
@@ -217,7 +219,7 @@ class VLLMBackend:
             server = VLLMServer(replace(old.config, speculative=config), old.log_path.parent)
             try:
                 server.start()
-            except VLLMError as e:
+            except ServerError as e:
                 if config is old.config.speculative:
                     raise
                 error = e
@@ -329,7 +331,7 @@ class VLLMBackend:
             # prompt_logprobs[i] maps token ids (as strings) to logprobs at position i; the scored token is there
             scored = [[entry[str(token)]["logprob"] for token, entry in zip(out, c["prompt_logprobs"][len(prompt):])]
                       for out, c in zip(outputs, choices)]
-        except (httpx.HTTPError, ResponseRefused, VLLMError, KeyError, IndexError, TypeError, ValueError) as e:
+        except (httpx.HTTPError, ResponseRefused, ServerError, KeyError, IndexError, TypeError, ValueError) as e:
             raise VLLMError(f"the baseline server could not score the outputs: {type(e).__name__}: "
                             f"{redact(str(e))[:300]}") from None
         if any(number(lp, "a scored logprob", -1e6, 1e-3) is None for out in scored for lp in out):
@@ -373,7 +375,7 @@ class VLLMBackend:
                 t0 = clock()  # the baseline makes no such call: start both clocks at the request
             try:
                 for chunk in stream_chunks(endpoint(self.urls[engine], path), body, self.headers,
-                                           stall_timeout or self.stall_timeout, cancel):
+                                           stall_timeout or self.stall_timeout, cancel, parse_chunk):
                     prompt_ids = prompt_ids or chunk.prompt_ids
                     if guess and prompt_ids and guess.drafts is None and _replays_ngram(config):
                         guess.drafts = ngram_drafts(prompt_ids, config, self.max_model_len)
@@ -386,7 +388,7 @@ class VLLMBackend:
                 result.finish_reason = "cancelled"
             result.output_text = "".join(content)
             reclassified = self._finish(engine, result, final, before, prompt_ids)
-        except (httpx.HTTPError, ResponseRefused, VLLMError, ValueError) as e:
+        except (httpx.HTTPError, ResponseRefused, ServerError, ValueError) as e:
             what = "stopped answering" if isinstance(e, httpx.TimeoutException) else "failed"
             result.finish_reason = "error"
             result.error = f"the {engine} vLLM server {what}: {type(e).__name__}: {redact(str(e))}"
@@ -515,12 +517,6 @@ def _replays_ngram(config: dict) -> bool:
     return config.get("method") == "ngram" and all(
         isinstance(config.get(key), int) for key in ("num_speculative_tokens", "prompt_lookup_min",
                                                        "prompt_lookup_max"))
-
-
-# figures that need to know which target pass produced which token; None prints as "unknown"
-UNKNOWN_STEP_FIGURES = {"target_passes": None, "passes_saved": None, "steps": None, "drafted": None,
-                        "accepted": None, "acceptance_rate": None, "mean_accepted_length": None, "mean_k": None,
-                        "per_position_acceptance": []}
 
 
 def _unplaced(result: RunResult) -> str:

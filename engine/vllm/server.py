@@ -23,13 +23,14 @@ from pathlib import Path
 import psutil
 
 from engine.serving.guarded_process import GuardedProcess, _group_alive, healthy, server_env, stop_group
-from engine.loading.weights import cache_dir
+from engine.cache import cache_dir
+from engine.serving.stream import ServerError
 
 log = logging.getLogger(__name__)
 
 
-class VLLMError(RuntimeError):
-    """A server that cannot be started, reached or trusted; the message says why (with its log's tail)."""
+class VLLMError(ServerError):
+    """A vLLM server that cannot be started, reached or trusted; the message says why (with its log's tail)."""
 
 
 @dataclass

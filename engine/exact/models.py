@@ -12,7 +12,8 @@ import torch
 from engine.exact.optimize import (MIN_ROWS, finish, int4_draft_or_int8, linear_converter, prepare_draft,
                                    prepare_target)
 from engine.exact.precision import HalfLinear, check_precision
-from engine.loading.weights import SOURCES, Progress, WeightsError, cache_dir, dequantize_gguf, dequantized_dir, gguf_model
+from engine.cache import cache_dir
+from engine.loading.weights import SOURCES, Progress, WeightsError, dequantize_gguf, dequantized_dir, gguf_model
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ def _load_gguf(spec: str, role: str, device: torch.device, int8: bool, min_rows:
     from transformers import AutoTokenizer
 
     from engine.loading.gguf_load import load_gguf_model
-    from engine.loading.int8_store import load_or_build
+    from engine.exact.int8_store import load_or_build
 
     try:
         gguf, meta = gguf_model(spec, on_progress=on_progress)

@@ -29,7 +29,7 @@ from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 from engine.exact.grouped_int8 import GroupedInt4Linear, GroupedInt8Linear
 from engine.exact.optimize import Int4Draft, dynamic_int8_shell
 from engine.loading.gguf_load import GGUFEmbedding, _parent, _rebuild_meta_buffers, empty_model, meta_tensors
-from engine.loading.weights import cache_dir
+from engine.cache import cache_dir
 
 log = logging.getLogger(__name__)
 

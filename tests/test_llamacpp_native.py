@@ -1,0 +1,168 @@
+"""llama-server built here for this CPU (engine.llamacpp.native): the probe, the build the managed engines run, what
+it was built with, the user's own binary, the wheel where no build is possible, and a killed build. The build itself
+is made once per machine (`.ci/setup test` makes it; here ensure_built() finds it in the cache)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from argparse import Namespace
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from engine.llamacpp import native
+from engine.llamacpp.backend import LlamaCppBackend
+from engine.llamacpp.server import (WHEEL, EngineConfig, LlamaCppError, choose_build, parse_method,
+                                    server_args)
+from engine.loading.weights import gguf_model
+from engine.request import Request
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def build() -> native.Build:
+    return native.ensure_built()
+
+
+@pytest.fixture(scope="module")
+def smol() -> str:
+    return str(gguf_model("smollm2-135m-instruct")[0])
+
+
+def test_the_probe_runs_each_instruction_set_and_reports_what_faults():
+    verdicts = native.probe()
+    assert set(verdicts) == {f.name for f in native.FEATURES}
+    assert verdicts["AVX2"] == "runs"  # every machine kind of ours has it
+    flags = Path("/proc/cpuinfo").read_text().split()
+    if "amx_tile" not in flags:  # AMD: the instruction is not there at all
+        assert verdicts["AMX_TILE"].startswith("faults")
+    if "avx512f" in flags:
+        assert verdicts["AVX512"] == "runs"
+
+
+def test_the_build_has_what_runs_here_and_nothing_that_faults(build, smol):
+    """llama-server's own system info (logged at its highest verbosity as it loads a model) names exactly the sets
+    the probe saw run."""
+    verdicts = native.probe()
+    assert build.features == [name for name, verdict in verdicts.items() if verdict == "runs"]
+    assert set(build.left_out) == {name for name, verdict in verdicts.items() if verdict != "runs"}
+    command = [build.binary, "--model", smol, "--host", "127.0.0.1", "--port", "0", "--threads", "1", "--log-verbose"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                          start_new_session=True) as proc:
+        deadline = threading.Timer(120, proc.kill)  # a server that never says it ends the wait
+        deadline.start()
+        try:
+            line = next((line for line in proc.stdout if "system_info:" in line), "")
+        finally:
+            deadline.cancel()
+            proc.kill()
+    printed = {name for name, on in re.findall(r"\b([A-Z0-9_]+) = (\d)", line) if on == "1"}
+    named = {f.name for f in native.FEATURES} - {"AMX_TILE", "AMX_BF16"}  # the sets llama.cpp's system info names
+    assert "AVX2" in printed and printed & named == set(build.features) & named, line
+
+
+def test_the_managed_engines_run_this_build_and_say_so(build, smol, tmp_path):
+    chosen = choose_build("auto")
+    assert chosen.binary == build.binary and "built here for" in chosen.description
+    config = EngineConfig("speculative", smol, "draft", draft=smol, k=4, threads=1)
+    args = server_args(config)
+    assert args[args.index("--spec-type") + 1] == "draft-simple" and args[args.index("--spec-draft-n-max") + 1] == "4"
+    assert args[args.index("--spec-draft-model") + 1] == smol and args[args.index("--host") + 1] == "127.0.0.1"
+    backend = LlamaCppBackend.managed(config, log_dir=tmp_path, build=chosen)
+    try:
+        assert all(Path(e.build.binary or "").samefile(build.binary) for e in backend.engines)
+        req = Request(prompt="Repeat exactly: alpha beta gamma delta, alpha beta gamma delta", max_new_tokens=24)
+        plain = list(backend.baseline(req))[-1]
+        spec = list(backend.speculative(req))[-1]
+        assert [t.token_id for t in spec.tokens] == [t.token_id for t in plain.tokens]
+        assert spec.metrics["drafted"] > 0  # llama-server really drafted (with its draft model, K=4)
+    finally:
+        backend.close()
+    assert not any(e.alive() for e in backend.engines)
+
+
+def test_a_users_own_binary_is_run_and_named(build, smol, tmp_path):
+    from specconsole.hosts import llamacpp_host
+
+    args = Namespace(llamacpp_attach=None, llamacpp_api_key_env="X", preset="smollm2-ngram", target=None,
+                     draft=None, llamacpp_method="ngram-simple", llamacpp_k=4, llamacpp_n_min=None,
+                     llamacpp_p_min=None, llamacpp_ngram_n=2, llamacpp_threads=1, llamacpp_compare=None,
+                     llamacpp_server=build.binary)
+    host = llamacpp_host(args)
+    backend = host.factory(lambda *a: None)
+    try:
+        assert f"llama-server at {build.binary} (version: " in host.label and f"build {native.RELEASE}," in host.label
+        assert list(backend.baseline(Request(prompt="Hi", max_new_tokens=3)))[-1].error is None
+    finally:
+        backend.close()
+    with pytest.raises(SystemExit, match="not a llama-server"):
+        llamacpp_host(Namespace(**{**vars(args), "llamacpp_server": "/bin/true"}))
+    with pytest.raises(SystemExit, match="cannot run it"):
+        llamacpp_host(Namespace(**{**vars(args), "llamacpp_server": str(tmp_path / "missing")}))
+
+
+def test_without_a_compiler_the_wheel_serves_and_says_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no g++, c++, clang++, cmake or ninja on it
+    monkeypatch.delenv("CXX", raising=False)
+    chosen = choose_build("auto")
+    assert chosen.wheel
+    assert chosen.description == f"{WHEEL}: no build for this CPU here (no C++ compiler (g++) is installed)"
+    assert choose_build("wheel").wheel
+
+
+def test_a_killed_build_leaves_nothing_half_made(build, tmp_path):
+    """SIGKILL mid-build: no finished build in the cache, and the next build clears the remains before it starts."""
+    cache = tmp_path / "cache"
+    source = Path(native.cache_root()) / "source"
+    (cache / "llama-server" / "source").mkdir(parents=True)
+    for archive in source.glob("*.tar.gz"):  # the pinned source, so that this test does not download it again
+        os.symlink(archive, cache / "llama-server" / "source" / archive.name)
+    env = dict(os.environ, SPECCONSOLE_CACHE=str(cache))
+    proc = subprocess.Popen([sys.executable, "-m", "engine.llamacpp.native", "build"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    root = cache / "llama-server"
+    deadline = time.monotonic() + 120
+    try:
+        while not list(root.glob("*.partial-*/work/build/build.ninja")):  # configured: the compiling begins
+            assert proc.poll() is None and time.monotonic() < deadline, "the build did not start"
+            time.sleep(0.2)
+        time.sleep(2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert native.cached_builds(root) == []
+    assert list(root.glob("*.partial-*"))  # its remains, which a build removes under the lock before it starts
+    native._remove_remains(root, list(root.glob("*.partial-*"))[0].name.split(".partial-")[0])
+    assert not list(root.glob("*.partial-*"))
+
+
+def test_each_method_maps_to_llama_servers_own_options():
+    base = EngineConfig("speculative", "t.gguf", threads=2, ctx=2048)
+    plain = server_args(base)
+    assert plain[:6] == ["--model", "t.gguf", "--ctx-size", "2048", "--parallel", "1"] and "--spec-type" not in plain
+
+    def options(spec: str) -> dict:
+        args = server_args(parse_method(spec, replace(base, draft="d.gguf")))
+        tail = args[args.index("--spec-type"):]
+        return dict(zip(tail[::2], tail[1::2]))
+
+    assert options("draft:k=6:p_min=0.5") == {
+        "--spec-type": "draft-simple", "--spec-draft-model": "d.gguf", "--spec-draft-threads": "2",
+        "--spec-draft-threads-batch": "2", "--spec-draft-n-max": "6", "--spec-draft-n-min": "0",
+        "--spec-draft-p-min": "0.5"}
+    assert options("ngram-simple:k=4:n=3") == {"--spec-type": "ngram-simple", "--spec-ngram-simple-size-m": "4",
+                                               "--spec-ngram-simple-size-n": "3"}
+    assert options("ngram-map-k:k=5") == {"--spec-type": "ngram-map-k", "--spec-ngram-map-k-size-m": "5"}
+    assert options("ngram-mod:k=8:n=16") == {"--spec-type": "ngram-mod", "--spec-ngram-mod-n-max": "8",
+                                             "--spec-ngram-mod-n-min": "8", "--spec-ngram-mod-n-match": "16"}
+    assert options("ngram-cache") == {"--spec-type": "ngram-cache"}
+    with pytest.raises(LlamaCppError, match="needs a draft GGUF"):
+        server_args(parse_method("draft:k=4", base))
