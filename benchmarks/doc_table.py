@@ -7,23 +7,23 @@ another configuration adds its own table, and a new one of the same replaces the
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
+
+from engine.cpu import cpu
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
+def machine() -> str:
+    """The machine in a benchmark's header: "2 cores, AMD EPYC"."""
+    return f"{os.cpu_count()} cores, {cpu().model}"
+
+
 def machine_kind() -> str:
     """The CPU's model and the widest vector instructions it runs: "AMD EPYC, AVX-512 (VNNI)"."""
-    model, flags = "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+    model, flags = cpu().model, cpu().flag_set
     isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
     return f"{model}, {isa}" + (" (VNNI)" if "avx512_vnni" in flags else "")
 

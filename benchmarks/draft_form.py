@@ -31,7 +31,8 @@ import sys
 import torch
 from torch import nn
 
-from benchmarks.speed import add_sample_args, machine, run_engine, sample_plan
+from benchmarks.doc_table import machine
+from benchmarks.speed import add_sample_args, run_engine, sample_plan
 from benchmarks.timing import code_context, forward_ms_in_turns
 from engine.analysis.stats import bootstrap_ci
 from engine.exact.backend import LocalBackend

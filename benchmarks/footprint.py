@@ -154,9 +154,9 @@ def preset_files(preset: str, cache: Path) -> dict[str, int]:
 def machine() -> str:
     import psutil
 
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())
-    return (f"{model}, {os.cpu_count()} cores, {psutil.virtual_memory().total / GIB:.0f} GiB RAM, "
+    from engine.cpu import cpu
+
+    return (f"{cpu().model}, {os.cpu_count()} cores, {psutil.virtual_memory().total / GIB:.0f} GiB RAM, "
             f"{platform.system()} {platform.release()}, load average {os.getloadavg()[0]:.1f} at start")
 
 

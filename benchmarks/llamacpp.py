@@ -36,9 +36,9 @@ import sys
 from dataclasses import replace
 from functools import partial
 
-from benchmarks.doc_table import machine_kind, write_table
-from benchmarks.speed import (NOISE_WARNING, _cell, _median, add_sample_args, describe_prompts, groups, machine,
-                              run_engine, sample_plan, with_ci)
+from benchmarks.doc_table import machine, machine_kind, write_table
+from benchmarks.speed import (NOISE_WARNING, _cell, _median, add_sample_args, describe_prompts, groups, run_engine,
+                              sample_plan, with_ci)
 from engine.backend import MAX_EXTRA, extra_engine
 from engine.exact.precision import AUTO, PRECISIONS
 from engine.llamacpp.backend import LlamaCppBackend

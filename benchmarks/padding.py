@@ -22,7 +22,8 @@ import time
 
 from tqdm import tqdm
 
-from benchmarks.speed import add_sample_args, describe_prompts, machine, run_engine, sample_plan, with_ci
+from benchmarks.doc_table import machine
+from benchmarks.speed import add_sample_args, describe_prompts, run_engine, sample_plan, with_ci
 from engine.exact import calibration
 from engine.exact.backend import LocalBackend
 from engine.exact.optimize import MIN_ROWS, PackedLinear

@@ -30,7 +30,6 @@ import io
 import json
 import logging
 import os
-import platform
 import socket
 import sqlite3
 import statistics
@@ -43,7 +42,7 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.doc_table import machine_kind, write_table
+from benchmarks.doc_table import machine, machine_kind, write_table
 from engine.analysis.stats import against_target, bootstrap_ci, ratio_ci
 from engine.setup import setup
 
@@ -95,12 +94,6 @@ def browser_processes(console_pid: int) -> list[psutil.Process]:
     """Chromium's processes: our descendants, without the console and its children."""
     skip = {console_pid} | {c.pid for c in psutil.Process(console_pid).children(recursive=True)}
     return [p for p in psutil.Process().children(recursive=True) if p.pid not in skip and "chrom" in p.name()]
-
-
-def machine() -> str:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())
-    return f"{os.cpu_count()} cores, {model}"
 
 
 @contextmanager

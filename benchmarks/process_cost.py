@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128, help="the page's own default")
     args, rest = p.parse_known_args(argv)
     import launch
-    from benchmarks.page import machine
+    from benchmarks.doc_table import machine
     from engine.request import build_request
     from specconsole.hosts import backend_host
 

@@ -26,14 +26,13 @@ import dataclasses
 import datetime
 import logging
 import math
-import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from benchmarks.doc_table import machine
 from engine.exact.backend import LocalBackend
 from engine.exact.precision import PRECISIONS
 from engine.methods import METHODS
@@ -271,18 +270,6 @@ def variants_table(prompts: list[dict], names: dict[str, str]) -> str:
                   f"{sum(f['identical'] for f in figures)}/{len(figures)}"]
         lines.append(" | ".join(cells))
     return "\n".join("| " + line + " |" for line in lines)
-
-
-def machine() -> str:
-    model = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{os.cpu_count()} cores, {model}"
 
 
 def describe_prompts(plan: list[tuple[str, SuitePrompt]], seed: int) -> str:

@@ -35,7 +35,8 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.pass_cost import pass_ms
-from benchmarks.speed import add_sample_args, describe_prompts, machine, sample_plan, with_ci
+from benchmarks.doc_table import machine
+from benchmarks.speed import add_sample_args, describe_prompts, sample_plan, with_ci
 from benchmarks.timing import code_context
 from engine.exact.proposers import DraftModelProposer, NgramProposer
 from engine.events import StepRecord

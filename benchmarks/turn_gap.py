@@ -23,7 +23,8 @@ import time
 
 import torch
 
-from benchmarks.page import PROMPT, machine
+from benchmarks.doc_table import machine
+from benchmarks.page import PROMPT
 from engine.exact.backend import LocalBackend
 from engine.exact.precision import PRECISIONS
 from engine.presets import PRESETS

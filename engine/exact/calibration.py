@@ -17,16 +17,15 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from engine.exact.forward import forward, new_cache, rollback
 from engine.exact.policy import Costs, PolicyConfig
 from engine.cache import cache_dir
+from engine.cpu import cpu
 
 log = logging.getLogger(__name__)
 
@@ -36,16 +35,8 @@ REPEATS = 5  # timed passes per length, after one that warms up; the median is k
 
 def machine() -> dict:
     """What the costs depend on besides the models."""
-    cpu, flags = platform.processor(), ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return {"cpu": cpu, "flags": hashlib.sha1(flags.encode()).hexdigest()[:12], "torch": torch.__version__,
+    here = cpu()
+    return {"cpu": here.model, "flags": hashlib.sha1(here.flags.encode()).hexdigest()[:12], "torch": torch.__version__,
             "threads": torch.get_num_threads()}
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine.cache import cache_dir
+from engine.cpu import cpu
 
 log = logging.getLogger(__name__)
 
@@ -131,12 +133,9 @@ def probe(cxx: str | None = None) -> dict[str, str]:
 def probed(cxx: str) -> dict[str, str]:
     """probe(), kept per CPU (model and flags) and compiler under the cache: a start does not compile the probes again
     (about 5 s on 2 cores)."""
-    try:
-        cpu = [line for line in Path("/proc/cpuinfo").read_text().splitlines()
-               if line.startswith(("model name", "flags"))][:2]
-    except OSError:
-        cpu = []
-    key = hashlib.sha256(json.dumps([cpu, _compiler_version(cxx), [asdict(f) for f in FEATURES]]).encode())
+    here = cpu()
+    key = hashlib.sha256(json.dumps([here.model, here.flags, _compiler_version(cxx),
+                                     [asdict(f) for f in FEATURES]]).encode())
     path = cache_root() / f"probe-{key.hexdigest()[:16]}.json"
     try:
         return json.loads(path.read_text())
@@ -150,6 +149,7 @@ def probed(cxx: str) -> dict[str, str]:
     return found
 
 
+@functools.cache
 def _compiler_version(cxx: str) -> str:
     return subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.partition("\n")[0]
 
