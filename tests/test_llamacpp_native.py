@@ -109,6 +109,17 @@ def test_a_users_own_binary_is_run_and_named(build, smol, tmp_path):
         llamacpp_host(Namespace(**{**vars(args), "llamacpp_server": str(tmp_path / "missing")}))
 
 
+def test_a_binarys_version_line_is_bounded(tmp_path):
+    """It goes into the status line (which escapes it, specconsole.app): a binary of the user's says what it likes."""
+    from engine.llamacpp.server import VERSION_CHARS, binary_version
+
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\necho 'version: <script>alert(1)</script>" + "x" * 5000 + "'\n")
+    fake.chmod(0o755)
+    line = binary_version(str(fake))
+    assert line.startswith("version: <script>") and len(line) == VERSION_CHARS
+
+
 def test_without_a_compiler_the_wheel_serves_and_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))  # no g++, c++, clang++, cmake or ninja on it
     monkeypatch.delenv("CXX", raising=False)

@@ -279,6 +279,7 @@ class ServerBuild:
 
 
 WHEEL = "the xllamacpp wheel (llama.cpp prebuilt for AVX2 only)"
+VERSION_CHARS = 160
 
 
 def choose_build(choice: str = "auto", on_progress=None) -> ServerBuild:
@@ -299,7 +300,8 @@ def choose_build(choice: str = "auto", on_progress=None) -> ServerBuild:
 
 
 def binary_version(binary: str) -> str:
-    """The first line of `binary --version` ("version: 11434 (...)"); LlamaCppError if it does not run."""
+    """The first line of `binary --version` ("version: 11434 (...)"), at most VERSION_CHARS long (it goes into the
+    status line); LlamaCppError if it does not run."""
     try:
         done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
     except OSError as e:
@@ -308,7 +310,7 @@ def binary_version(binary: str) -> str:
     if done.returncode != 0 or not lines:
         raise LlamaCppError(f"--llamacpp-server {binary} is not a llama-server: `--version` answered "
                             f"{(done.stdout + done.stderr)[-200:]!r}")
-    return lines[0]
+    return lines[0][:VERSION_CHARS]
 
 
 # --- one engine in a process of its own ------------------------------------------------------------------------------
