@@ -48,7 +48,7 @@ from engine.loading.weights import gguf_model
 from engine.metrics import compare
 from engine.presets import PRESETS
 from engine.process.client import EngineProcess
-from engine.request import Request
+from engine.request import Request, build_request
 from engine.setup import setup
 
 log = logging.getLogger("benchmarks.llamacpp")
@@ -88,6 +88,13 @@ def run(backends: dict, engine: str, req: Request):
     if engine == WHEEL_PLAIN:
         return run_engine(backends["wheel"], PLAIN, req)
     return run_engine(backends["llamacpp"], engine, req)
+
+
+def policy_words(req: Request) -> str:
+    """The drafting policy a request asks for, in a table's words."""
+    k = f"dynamic K up to {req.k_max}" if req.dynamic_k else f"K {req.k}"
+    confidence = f", draft confidence floor {req.draft_confidence}" if req.draft_confidence else ""
+    return f"{k}{confidence}, fallback {'on' if req.fallback else 'off'}"
 
 
 def bench_prompt(backends: dict, reqs: dict, order: list[str], spec_engines: list[str]) -> dict:
@@ -227,14 +234,16 @@ def main(argv=None) -> int:
         if args.wheel_too:
             backends["wheel"] = LlamaCppBackend.managed(configs[0], build=ServerBuild(None, WHEEL))
             engines.append(WHEEL_PLAIN)
-        ours_req = {}
+        ours_base = None
         if args.ours:  # in its engine process, as the console runs it
             # the factory by its module's name: run as `-m`, this module is __main__, which the engine process is not
             from benchmarks.llamacpp import ours as factory
 
             backends["ours"] = EngineProcess(partial(factory, args.preset, args.precision, args.threads)).start()
-            ours_req = {"method": preset.method, "fallback": args.fallback}
-            warm = Request(prompt="Hello", max_new_tokens=8, **ours_req)
+            # the page's defaults (dynamic K, the draft's confidence floor, ...) for the preset's method
+            ours_base = build_request("-", max_new_tokens=args.max_new_tokens, method=preset.method,
+                                      fallback=args.fallback)
+            warm = replace(ours_base, prompt="Hello", max_new_tokens=8)
             for engine in ("baseline", "speculative"):  # first calls pay one-off costs
                 run_engine(backends["ours"], engine, warm)
             engines += list(OURS)
@@ -246,8 +255,8 @@ def main(argv=None) -> int:
                 for i, (_, item) in enumerate(plan):
                     req = Request(prompt=item.prompt, earlier_turns=item.earlier_turns,
                                   max_new_tokens=args.max_new_tokens)  # greedy: Request's default sampling
-                    reps[i].append(bench_prompt(backends, {"llamacpp": req, "ours": replace(req, **ours_req)}, order,
-                                                spec_engines))
+                    ours = ours_base and replace(ours_base, prompt=item.prompt, earlier_turns=item.earlier_turns)
+                    reps[i].append(bench_prompt(backends, {"llamacpp": req, "ours": ours}, order, spec_engines))
                     last = reps[i][-1]
                     log.info("repeat %d/%d, prompt %d/%d (%s): plain %.2f tok/s, %s", r + 1, args.repeats, i + 1,
                              len(plan), item.category, last["plain_tps"],
@@ -287,8 +296,8 @@ def main(argv=None) -> int:
     out.write(llamacpp_table(rows, spec_engines, labels) + "\n\n")
     if args.ours:
         out.write(f"Our local engine on the same prompts in the same repeats (preset {args.preset}, method "
-                  f"{preset.method}, target weights {args.precision}, the page's default settings"
-                  f"{', fallback on' if args.fallback else ''}):\n\n" + ours_table(rows) + "\n\n")
+                  f"{preset.method}, target weights {args.precision}, the page's default settings: "
+                  f"{policy_words(ours_base)}):\n\n" + ours_table(rows) + "\n\n")
         o = [p["ours"] for p in prompts]
         out.write(f"From this one run, over all {len(prompts)} prompts: ours speculative / llama.cpp plain "
                   f"{with_ci([f['spec_vs_plain'] for f in o], '{:.2f}')}; ours baseline / llama.cpp plain "

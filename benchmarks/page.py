@@ -7,7 +7,7 @@
     python -m benchmarks.page --presenter                    the page in presenter view (?view=present)
 
 Options this script does not know (--llamacpp-method, --llamacpp-threads, --target, ...) go to launch.py, so that
-both phases build the same backend the same way (launch.backend_host). Managed vLLM servers: each phase starts its
+both phases build the same backend the same way (specconsole.hosts.backend_host). Managed vLLM servers: each phase starts its
 own pair on free ports (four servers, two at a time idle), so that both run them as the console does, one core each.
 
 The backend is built twice, the same way: for this process (the API: specconsole.runner.Comparison, fair mode, no
@@ -266,16 +266,17 @@ def free_ports(n: int) -> list[int]:
 def api_session(args):
     """The backend the console builds, in this process; yields a function that makes one run through its API
     (specconsole.runner.Comparison, fair mode, no page)."""
-    import launch
+    from specconsole import cli
+    from specconsole.hosts import backend_host
     from engine.request import build_request
     from specconsole import machine as machine_module
     from specconsole.runner import Comparison
     from specconsole.variants import from_presets
 
     p = argparse.ArgumentParser(prog="launch.py")
-    launch.add_engine_args(p)
-    launch.add_backend_args(p)
-    host = launch.backend_host(p.parse_args(launch_args(args, "API"))).start()
+    cli.add_engine_args(p)
+    cli.add_backend_args(p)
+    host = backend_host(p.parse_args(launch_args(args, "API"))).start()
     try:
         if not host.wait():
             raise RuntimeError(f"the API's backend did not load: {host.status()}")

@@ -48,14 +48,14 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=int, default=8, help="runs per engine, after a warm-up run each")
     p.add_argument("--max-new-tokens", type=int, default=128, help="the page's own default")
     args, rest = p.parse_known_args(argv)
-    import launch
+    from specconsole import cli
     from benchmarks.doc_table import machine
     from engine.request import build_request
     from specconsole.hosts import backend_host
 
     parser = argparse.ArgumentParser(prog="launch.py")
-    launch.add_engine_args(parser)
-    launch.add_backend_args(parser)
+    cli.add_engine_args(parser)
+    cli.add_backend_args(parser)
     largs = parser.parse_args(rest)
     host = backend_host(largs).start()
     try:

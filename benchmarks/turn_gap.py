@@ -6,7 +6,7 @@
     python -m benchmarks.turn_gap --precision float16
 
 In the page, each fair-mode turn waits for the page to hand its last update over and for the browser to draw it
-(specconsole.tab_run._hand_over), so the engines' passes follow idle gaps of tens to hundreds of ms; through the API
+(specconsole.run_stream.hand_over), so the engines' passes follow idle gaps of tens to hundreds of ms; through the API
 they follow each other at once. This runs the same comparison through the API (specconsole.runner.Comparison, fair
 mode, no page) with an untimed sleep of each --gaps-ms before every turn, standing in for the page's wait (where the
 clocks are stopped), the gaps taking turns run by run. Prints per gap the medians of the engines' tok/s and of the

@@ -59,11 +59,29 @@ class Capabilities:
     # the extra speculative engines of an N-way run are the backend's own (vLLM: one server per drafting config,
     # listed by variants()), not drafting settings the console chooses per request
     fixed_variants: bool = False
+    # the drafting methods reconfigure() restarts the speculative side with, in the backend's own names (empty where
+    # the request's method applies: per_request_drafting), and those a method sweep runs unless told otherwise
+    methods: tuple[str, ...] = ()
+    sweep_methods: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Drafting:
+    """How a server's speculative engine drafts: what Backend.drafting() reports and reconfigure() restarts it with.
+    `method` is one of Capabilities.methods, `k` the drafts per step (None: the server's default), `draft` a draft
+    model's path for the methods that load one (None: the one the backend was started with), `options` the backend's own further settings as
+    (name, value) pairs (vLLM's prompt_lookup_min, llama.cpp's n_min), kept by a sweep that restores them."""
+
+    method: str
+    k: int | None
+    draft: str | None = None
+    options: tuple[tuple[str, object], ...] = ()
+
 
 
 @runtime_checkable
 class Backend(Protocol):
-    name: str  # "local" | "vllm"
+    name: str  # "local" | "vllm" | "llamacpp": for logs and saved runs; the console never branches on it
     capabilities: Capabilities
 
     def validate(self, req: Request) -> None:
@@ -96,12 +114,13 @@ class Backend(Protocol):
     def memory(self) -> dict | None:
         """target_gb, draft_gb, needed_gb, available_gb where the backend knows them (else None)."""
 
-    def drafting(self) -> dict:
-        """The speculative engine's own drafting config, in the form reconfigure() takes (a sweep restores it after
-        restarting the engine per value); {} where the request's drafting settings apply (capabilities say so)."""
+    def drafting(self) -> Drafting | None:
+        """The speculative engine's own drafting (a sweep restores it after restarting the engine per value); None
+        where the request's drafting settings apply, or a server's settings are not known (attached)."""
 
-    def reconfigure(self, speculative: dict) -> None:
-        """Restart the speculative side with another drafting config (only with capabilities.can_reconfigure)."""
+    def reconfigure(self, drafting: Drafting) -> None:
+        """Restart the speculative side with other drafting (only with capabilities.can_reconfigure); if that
+        fails, the old drafting runs again and the error says why."""
 
     def calibration(self) -> dict:
         """The cost model our speculative policy drafts with (engine.exact.calibration: costs and when they were

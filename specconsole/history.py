@@ -9,30 +9,28 @@ new events are appended about once a second (`save_events`); the end of the run 
 A process killed mid-run therefore leaves a readable database with the tokens the run had streamed, and the run is
 marked "interrupted" the next time the file is opened.
 
-Each run records its owner (host, pid, and when that process started), so that a second console or `launch.py
-suite` on the same file marks only the runs of processes that are gone: on this host, a run whose owner pid no
-longer runs, or now belongs to a process that started at another time. Runs of another host cannot be checked;
-they are marked only once older than FOREIGN_RUN_MAX_AGE.
+Each run records its owner (specconsole.run_owner), so that a second console or `launch.py suite` on the same file
+marks only the runs of processes that are gone.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import socket
 import sqlite3
 import threading
 import uuid
 from dataclasses import asdict
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from pathlib import Path
 
 import sqlite_utils
 
 from engine.events import PolicyAction, PolicyEvent, RunResult, StepRecord, TokenEvent, TokenKind
 from engine.metrics import run_metrics
+from specconsole.run_owner import owner, owner_gone
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +72,6 @@ ENGINE_COLUMNS = {"run_id": str, "engine": str, "label": str, "method": str, "se
 LIST_COLUMNS = ("id", "created_at", "status", "category", "mode", "method", "speedup", "acceptance_rate", "identical",
                 "noisy", "sampling_check")
 
-# A run of another host cannot be checked for life; none takes a day, so one that "runs" longer is a dead process's.
-FOREIGN_RUN_MAX_AGE = timedelta(hours=24)
-
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 INTERRUPTED = ("the process running it ended before the run did (killed, crashed or the machine stopped); the tokens "
@@ -85,44 +80,6 @@ INTERRUPTED = ("the process running it ended before the run did (killed, crashed
 
 def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def process_start(pid: int) -> str | None:
-    """When process `pid` started ("boot id:clock ticks since boot", from Linux's /proc), or None if there is no
-    such process (or no /proc). With the pid it names one process: a later process that reuses the pid has another
-    start."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        return f"{boot}:{stat.rsplit(')', 1)[1].split()[19]}"  # field 22; the name before ")" may hold spaces
-    except (OSError, IndexError):
-        return None
-
-
-def owner() -> dict:
-    """This process, as a run's owner."""
-    return {"owner_host": socket.gethostname(), "owner_pid": os.getpid(), "owner_started": process_start(os.getpid())}
-
-
-def owner_gone(run: dict, host: str, at: datetime) -> bool:
-    """Whether the process that owns this 'running' run is gone (see the module's docstring)."""
-    if run["owner_pid"] is None:  # saved by a version that did not record owners
-        return True
-    if run["owner_host"] != host:
-        try:
-            created = datetime.fromisoformat(run["created_at"])
-        except (TypeError, ValueError):  # no date: nothing says it is old
-            return False
-        return at - (created if created.tzinfo else created.replace(tzinfo=timezone.utc)) > FOREIGN_RUN_MAX_AGE
-    if Path("/proc/self/stat").exists():
-        return process_start(run["owner_pid"]) != run["owner_started"]
-    try:  # no /proc: a live pid is all we can check
-        os.kill(run["owner_pid"], 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        pass
-    return False
 
 
 class EventLog:

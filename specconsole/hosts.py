@@ -134,9 +134,9 @@ def vllm_host(args) -> ModelHost:
     from engine.backend import MAX_EXTRA
     from engine.serving.http_safety import redact
     from engine.exact.models import resolve
-    from engine.vllm.backend import VLLMBackend, memory_shares
+    from engine.vllm.backend import VLLMBackend
     from engine.vllm.config import parse_configs, speculative_config
-    from engine.vllm.server import VLLMError, has_gpu
+    from engine.vllm.server import VLLMError, has_gpu, memory_shares
 
     api_key = os.environ.get(args.vllm_api_key_env) or None
     try:

@@ -143,7 +143,7 @@ class Comparison:
         self.saved_events: EventLog | None = None  # what of this run's events the history has
         self._saved_at = 0.0
         self.ui_lock = TurnLock()
-        # clear while the page's last update is being serialised and sent (specconsole.tab_run._hand_over); fair
+        # clear while the page's last update is being serialised and sent (specconsole.run_stream.hand_over); fair
         # mode's turns wait for it, up to PAGE_WAIT_S (a page that went away must not stall the run)
         self.page_idle = threading.Event()
         self.page_idle.set()
@@ -165,7 +165,7 @@ class Comparison:
     @property
     def timed_while_streaming(self) -> bool:
         """Engines at once, or one whole run after the other: the page's updates cannot wait for a pass to end, so
-        each of them lands in an engine's timed run (specconsole.tab_run sends fewer)."""
+        each of them lands in an engine's timed run (specconsole.run_stream sends fewer)."""
         return self.strategy != "alternate"
 
     def start(self) -> None:

@@ -17,7 +17,7 @@ from specconsole.replay import UnknownRun, write_replay
 from specconsole.history import History, HistoryError
 from specconsole.markup import md
 from specconsole.render import engines_html, figures_html, tokens_html
-from specconsole.tab_run import figures_for, rolling_acceptance
+from specconsole.run_stream import figures_for, rolling_acceptance
 from specconsole.suites import categories
 
 HISTORY_COLUMNS = ["id", "created", "status", "category", "mode", "method", "speedup", "acceptance", "identical",

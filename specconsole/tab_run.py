@@ -10,10 +10,8 @@ Its drafting settings are shared with the Workbench (RunSettings). Settings the 
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
-import time
 import uuid
 from dataclasses import dataclass
 from html import escape
@@ -21,19 +19,18 @@ from pathlib import Path
 
 import gradio as gr
 
-from engine.backend import ENGINES, MAX_EXTRA, extra_engine
+from engine.backend import ENGINES, MAX_EXTRA, Drafting, extra_engine
 from engine.limits import DYNAMIC_K_MAX, MAX_K, MAX_QUEUED_RUNS, SettingsError
 from engine.exact.models import ModelError
 from engine.methods import METHODS
 from engine.request import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DYNAMIC_K, DEFAULT_K, DEFAULT_MAX_NEW_TOKENS,
                             DEFAULT_SEED, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, MAX_NEW_TOKENS, MIN_DRAFT_VOCAB,
                             build_request)
-from engine.vllm.config import METHODS as VLLM_METHODS, speculative_config
-from specconsole import charts
 from specconsole.history import History
 from specconsole.host import ModelHost
 from specconsole.markup import md
-from specconsole.render import PanelFeed, engines_html, figures_html, legend_html, panel_notice
+from specconsole.render import PanelFeed, legend_html, panel_notice
+from specconsole.run_stream import figures_for, notices, outputs_of, stream
 from specconsole.runner import MODES, Comparison, run_meta
 from specconsole.suites import SuitePrompt, categories, load_suite
 from specconsole.variants import PRESETS, Variant, choose, from_presets, label_of
@@ -42,16 +39,6 @@ log = logging.getLogger(__name__)
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 LIVE_PANEL_JS = (ASSETS / "live_panel.js").read_text()
-# The page must not take the CPU it measures (the browser runs on the engines' cores, during their timed passes):
-# panels receive only their new tokens, five times a second at most; the figures once a second; plotly re-lays out
-# a whole chart per update, the browser's largest cost (docs/page-cost.md), so charts every 5 s and at the end.
-PANEL_EVERY_S = 0.2
-# where every update lands in an engine's timed run (race mode, turns that are whole runs: llama.cpp and vLLM servers
-# on shared cores), two a second: the browser's work grows with the updates, not with their tokens (docs/page-cost.md)
-PANEL_WHILE_TIMED_S = 0.5
-FIGURES_EVERY_S = 1.0
-CHART_EVERY_S = 5.0
-SETTLE_S = 0.05  # after an update is handed to Gradio, before the next timed pass may start
 QUEUED = ("Queued behind another run: runs go one at a time, because the timings of concurrent runs would share "
           "the CPU. This one starts when that one ends (Stop cancels it).")
 ONE_AT_A_TIME = ("Runs go one at a time (also across browser tabs): the timings of concurrent runs would share the "
@@ -93,42 +80,6 @@ def examples(category: str) -> tuple[list[tuple[str, int]], SuitePrompt]:
     return [(f"{i + 1}. {p.prompt[:90]}", i) for i, p in enumerate(prompts)], prompts[0]
 
 
-def rolling_acceptance(result, window: int = 8) -> float | None:
-    steps = [s for s in result.steps if s.drafted > 0][-window:]
-    drafted = sum(s.drafted for s in steps)
-    return sum(s.accepted for s in steps) / drafted if drafted else None
-
-
-def figures_for(results: dict, labels: dict | None = None):
-    """The three charts; extra speculative engines (an N-way run) add a trace each, named by `labels`."""
-    b, s = results.get("baseline"), results.get("speculative")
-    others = {(labels or {}).get(e, e): r for e, r in results.items() if e not in ENGINES}
-    return (charts.acceptance_per_step(s, others), charts.per_position(s, others),
-            charts.tokens_over_time(b, s, others))
-
-
-def outputs_of(feed=None, figures=None, plots=None) -> tuple:
-    """One update of a run's outputs, in their order: the panel feed (feed_of), the figures and the three charts.
-    What is not given stays as it is."""
-    return (gr.skip() if feed is None else feed, gr.skip() if figures is None else figures,
-            *(plots or (gr.skip(),) * 3))
-
-
-def feed_of(messages: dict, charts: bool = False, run: str | None = None) -> str | None:
-    """The panel feed's value for one update: each live panel's message (engine -> PanelFeed.message, None where the
-    panel does not change); None when nothing changes. `run` (the panels' run) with `charts` (the update redraws the
-    charts): the page shows the charts as the run's, not faded, even when no panel changes (assets/live_panel.js)."""
-    panels = {engine: json.loads(m) for engine, m in messages.items() if m is not None}
-    if not panels and not (charts and run):
-        return None
-    return json.dumps({"panels": panels} | ({} if run is None else {"run": run}) | ({"charts": True} if charts else {}))
-
-
-def notices(engines, message: str) -> str | None:
-    """The feed's value that puts the same message in each engine's panel."""
-    return feed_of(dict.fromkeys(engines, message))
-
-
 def extra_layout(labels: list[str]) -> list:
     """Show one extra panel per extra engine (headed by its label), hide the rest."""
     columns = [gr.update(visible=i < len(labels)) for i in range(MAX_EXTRA)]
@@ -148,15 +99,6 @@ def panel_feed() -> gr.HTML:
     """The one component every update of the token panels goes through (assets/live_panel.js)."""
     return gr.HTML("", html_template="<div></div>", js_on_load=LIVE_PANEL_JS, elem_id="panel-feed",
                    visible="hidden")
-
-
-def _panel_note(result) -> str:
-    return f"{result.finish_reason} · {len(result.output_tokens)} tokens" if result.finish_reason else "running…"
-
-
-def _save_note(comp: Comparison) -> str:
-    """Under the figures: why the run is not (completely) in the history, if it is not."""
-    return f'<div class="panel-error save-error">{escape(comp.save_error)}</div>' if comp.save_error else ""
 
 
 # Which control shows which of Request's drafting settings (engine.backend.DRAFTING_SETTINGS), in output order.
@@ -179,83 +121,37 @@ def costs_markdown(costs: dict) -> str:
 
 
 def backend_view(host: ModelHost) -> list:
-    """Updates for the drafting controls, the vLLM section and "Compare with", from the loaded backend's
+    """Updates for the drafting controls, the speculative server's section and "Compare with", from the backend's
     capabilities: a setting the backend does not apply is greyed out and says who sets it, rather than silently
     ignored; a backend with its own speculative servers offers those to compare with."""
     backend = host.backend
     if backend is None:
-        return [gr.skip()] * (len(DRAFTING_CONTROLS) + 4)
+        return [gr.skip()] * (len(DRAFTING_CONTROLS) + 5)
     ignored = set(backend.ignored_settings(build_request("-", method=host.method)))
-    server = {"vllm": "vLLM"}.get(backend.name, backend.name)
-    who = f"not applied: set by the {server} server ({backend.describe().get('method')})"
+    who = f"not applied: set by the speculative server ({backend.describe().get('method')})"
     updates = [gr.update(interactive=False, info=who) if name in ignored
                else gr.update(interactive=True) for name in DRAFTING_CONTROLS]
     costs = costs_markdown(backend.calibration())
-    return [*updates, gr.update(visible=backend.capabilities.can_reconfigure), compare_choices(backend),
+    served = backend.drafting()
+    methods = backend.capabilities.methods
+    server_method = gr.update(choices=list(methods), value=served.method if served and served.method in methods
+                              else None) if methods else gr.skip()
+    return [*updates, gr.update(visible=backend.capabilities.can_reconfigure), server_method, compare_choices(backend),
             gr.update(visible=bool(costs)), costs or gr.skip()]
 
 
 def compare_choices(backend):
-    """"Compare with" for this backend: the presets (local), or the backend's own extra servers (vLLM)."""
+    """"Compare with" for this backend: the presets (local), or the backend's own extra servers (vLLM, llama.cpp)."""
     if not backend.capabilities.fixed_variants:
         return gr.skip()
     labels = [v["label"] for v in backend.variants().values()]
     if labels:
         return gr.update(choices=labels, value=[], interactive=True,
-                         info="the extra speculative vLLM servers, each with its own speculative config")
+                         info="the backend's extra speculative servers, each with its own drafting")
     return gr.update(choices=[], value=[], interactive=False,
-                     info="no extra speculative vLLM servers: start the console with e.g. `--vllm-compare "
-                          "ngram:k=2,ngram:k=6` (or attach more with `--vllm-attach BASE,SPEC,SPEC2,...`)")
-
-
-def _hand_over(comp: Comparison, update):
-    """Yields one update to Gradio, which postprocesses it (plotly's JSON, the diff to the last one) and sends it to
-    the browser before it asks for the next one; then, SETTLE_S later, lets the next timed pass go (page_idle: the
-    turn then also waits until the browser's processes are quiet, runner.Comparison._take_turns)."""
-    try:
-        yield update
-        time.sleep(SETTLE_S)
-    finally:
-        comp.page_idle.set()
-
-
-def _stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
-    """Starts the comparison and yields its updates, throttled (PANEL_EVERY_S or PANEL_WHILE_TIMED_S,
-    FIGURES_EVERY_S, CHART_EVERY_S), until it ends. In fair mode each next timed pass waits until the last update
-    was handed over (_hand_over)."""
-    feeds = {e: PanelFeed(panel_run, show_rejected and e != "baseline") for e in comp.engines}
-    every = PANEL_WHILE_TIMED_S if comp.timed_while_streaming else PANEL_EVERY_S
-    # no chart update as the run begins (there is nothing to chart yet, and the three charts' drawing was the
-    # browser's largest single cost): the page fades the last run's charts until the first, CHART_EVERY_S in
-    last_panel = last_figures = 0.0
-    last_chart = time.monotonic()
-    comp.start()
-    while True:
-        done = comp.poll(timeout=every)
-        now = time.monotonic()
-        if not done and now - last_panel < every:
-            continue
-        figures_due = done or now - last_figures >= FIGURES_EVERY_S
-        chart_due = done or now - last_chart >= CHART_EVERY_S
-        with comp.ui_lock:  # in fair mode: never while an engine's pass is being timed
-            comp.page_idle.clear()  # and the next pass waits until this update was handed over (below)
-            results = comp.results
-            panels = {e: feeds[e].message(results[e].tokens, _panel_note(results[e]), results[e].error,
-                                          final=done) for e in comp.engines}
-            if figures_due:
-                s = results["speculative"]
-                figures = figures_html(results["baseline"], s, comp.comparison(results), mode,
-                                       rolling_acceptance(s))
-                if len(comp.engines) > len(ENGINES):  # an N-way run: every engine's figures, in one table
-                    figures += engines_html(results, comp.labels, comp.comparisons(results), mode)
-                figures += _save_note(comp)
-            plots = figures_for(results, comp.labels) if chart_due else None
-        last_panel = now
-        last_figures, last_chart = (now if figures_due else last_figures), (now if chart_due else last_chart)
-        feed = feed_of(panels, charts=plots is not None, run=panel_run)
-        yield from _hand_over(comp, outputs_of(feed, figures if figures_due else None, plots))
-        if done:
-            break
+                     info="no extra speculative servers: start the console with e.g. `--vllm-compare "
+                          "ngram:k=2,ngram:k=6` or `--llamacpp-compare draft:k=2` (or attach more: `--vllm-attach "
+                          "BASE,SPEC,SPEC2,...`, `--llamacpp-attach ...`)")
 
 
 def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
@@ -327,7 +223,7 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
                               extra=extra, label=speculative.label)
             active[session] = comp
             try:
-                yield from _stream(comp, panel_run, mode, show_rejected)  # starts it
+                yield from stream(comp, panel_run, mode, show_rejected)  # starts it
             finally:
                 comp.cancel.set()  # a closed tab or an error must not leave the engines running
                 active.pop(session, None)
@@ -336,16 +232,19 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
         if comp.save_error:
             gr.Warning(escape(comp.save_error))  # a toast shows HTML
 
-    def reconfigure_vllm(method, k, draft):
+    def reconfigure_server(method, k, draft):
         if not host.ready or not host.backend.capabilities.can_reconfigure:
-            return "Only a managed vLLM backend (`--backend vllm`) can be reconfigured from here."
+            return "Only servers the console started (`--backend vllm` or `llamacpp`) can be restarted from here."
+        if not method:
+            return "Pick a method first."
         try:
-            config = speculative_config(method, int(k), draft or None)
             with host.lock:
-                host.backend.reconfigure(config)
-        except (RuntimeError, ValueError) as e:  # VLLMError, SettingsError: the old server runs again
+                host.backend.reconfigure(Drafting(method, int(k), draft.strip() or None))
+        except (RuntimeError, ValueError) as e:  # VLLMError, LlamaCppError, SettingsError: the old server runs again
             return f"Could not apply: {md(e)}"
-        return f"Speculative server running with {md(json.dumps(config))}."
+        served = host.backend.drafting()
+        return f"Speculative server running with {md(served.method)}, K={served.k}" + (
+            f", draft {md(Path(served.draft).name)}" if served.draft else "") + "."
 
     def measure_costs():
         if not host.ready:
@@ -400,14 +299,14 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
             gr.Markdown(ONE_AT_A_TIME, elem_id="one-at-a-time")
         with gr.Column(scale=2):
             gr.Markdown(f"Backend: **{md(host.label)}**")
-            # shown once the backend says it can restart its speculative side (backend_view)
-            with gr.Accordion("vLLM speculative server (managed vLLM backend)", open=False,
-                              visible=False) as vllm_section:
-                vllm_method = gr.Dropdown(list(VLLM_METHODS), value="ngram", label="Method")
-                vllm_k = gr.Slider(1, MAX_K, value=DEFAULT_K, step=1, label="num_speculative_tokens (K)")
-                vllm_draft = gr.Textbox(label="Draft / EAGLE / Medusa model path")
-                vllm_apply = gr.Button("Apply (restarts the speculative server)")
-                vllm_status = gr.Markdown()
+            # shown once the backend says it can restart its speculative side, with its methods (backend_view)
+            with gr.Accordion("Speculative server (vLLM, llama.cpp: started by the console)", open=False,
+                              visible=False, elem_id="server-drafting") as server_section:
+                server_method = gr.Dropdown([], label="Method")
+                server_k = gr.Slider(1, MAX_K, value=DEFAULT_K, step=1, label="K (draft tokens per step)")
+                server_draft = gr.Textbox(label="Draft model path (methods that load one; empty: the one loaded)")
+                server_apply = gr.Button("Apply (restarts the speculative server)")
+                server_status = gr.Markdown()
             # shown once the backend says its policy drafts from a cost model of ours (backend_view)
             with gr.Accordion("The policy's cost model", open=False, visible=False,
                               elem_id="cost-model") as costs_section:
@@ -491,9 +390,9 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
     category.change(pick_category, category, [example, prompt, temperature], show_progress_on=[example])
     example.input(pick_example, [category, example], [prompt, temperature], show_progress_on=[example])
     costs_measure.click(measure_costs, None, costs_text, concurrency_limit=1, concurrency_id="engines")
-    vllm_apply.click(reconfigure_vllm, [vllm_method, vllm_k, vllm_draft], vllm_status, concurrency_limit=1,
-                     concurrency_id="engines")
+    server_apply.click(reconfigure_server, [server_method, server_k, server_draft], server_status,
+                       concurrency_limit=1, concurrency_id="engines")
 
     settings = RunSettings(method, k, dynamic_k, confidence, draft_vocab, fallback, top_p, seed, mode, show_rejected)
-    return RunTab(settings, run_event, [method, k, dynamic_k, confidence, draft_vocab, fallback, vllm_section,
-                                        compare_with, costs_section, costs_text])
+    return RunTab(settings, run_event, [method, k, dynamic_k, confidence, draft_vocab, fallback, server_section,
+                                        server_method, compare_with, costs_section, costs_text])

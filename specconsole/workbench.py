@@ -26,14 +26,14 @@ from tqdm import tqdm
 
 from engine.limits import (MAX_CONCURRENCY, MAX_K, MAX_PROMPTS_PER_SUITE, MAX_REPEATS, MAX_SWEEP_VALUES,
                            MAX_TEMPERATURE, SettingsError, check_range, number)
-from engine.llamacpp.server import DRAFT_MODEL_METHODS, METHODS as LLAMACPP_METHODS
+from engine.llamacpp.server import METHODS as LLAMACPP_METHODS
 from engine.methods import METHODS
 from engine.request import Request
 from engine.analysis.stats import bootstrap_ci, ratio_ci
-from engine.vllm.config import METHODS as VLLM_METHODS, speculative_config
+from engine.vllm.config import METHODS as VLLM_METHODS
 from specconsole.advisor import Advice, ab_conclusion, advise
 from specconsole.history import History
-from engine.backend import ENGINES
+from engine.backend import ENGINES, Drafting
 from specconsole.runner import Comparison, run_meta as runner_meta
 from specconsole.suites import SuitePrompt
 
@@ -79,10 +79,6 @@ def check_plan(variable: str, values: list[str] | None, repeats: int = 1, prompt
     return values
 
 
-# the llama.cpp methods a method sweep runs unless told otherwise (EAGLE-3 and MTP need models made for them)
-LLAMACPP_SWEEP = ("draft", "ngram-simple", "ngram-map-k", "ngram-mod")
-
-
 def server_drafting(backend) -> bool:
     """Whether drafting is the speculative engine's own (vLLM, llama.cpp): a method or K sweep restarts it."""
     return not backend.capabilities.per_request_drafting
@@ -90,33 +86,26 @@ def server_drafting(backend) -> bool:
 
 def sweep_methods(backend) -> tuple[str, ...]:
     """The values a method sweep can take on this backend."""
-    if not server_drafting(backend):
-        return METHODS
-    if backend.name == "llamacpp":
-        from engine.llamacpp.backend import VLLM_METHODS as ALIASES
-
-        return tuple(LLAMACPP_METHODS) + tuple(ALIASES)  # llama.cpp's names, and vLLM's for the same methods
-    return VLLM_METHODS
+    return backend.capabilities.methods if server_drafting(backend) else METHODS
 
 
 def default_values(backend, variable: str) -> list[str]:
     """A sweep's values when none are given: SWEEPS', less what the backend cannot run (dynamic K where the
-    engine drafts a fixed K; a draft model where it has none)."""
+    engine drafts a fixed K), or the methods the backend sweeps by default."""
     if variable == "k" and server_drafting(backend):
         return [v for v in SWEEPS["k"] if v != "dynamic"]
-    if variable == "method" and backend.name == "llamacpp":
-        return [m for m in LLAMACPP_SWEEP if m not in DRAFT_MODEL_METHODS or backend.describe().get("draft_model")]
+    if variable == "method" and server_drafting(backend):
+        return list(backend.capabilities.sweep_methods)
     return list(SWEEPS.get(variable, [""]))
 
 
-def served_drafting(backend, variable: str, value: str, k: int) -> dict:
-    """What backend.reconfigure() takes to serve one value of a method or K sweep."""
-    if backend.name == "llamacpp":
-        return {"method": value} if variable == "method" else {"k": int(value)}
-    served = backend.describe()
+def served_drafting(backend, variable: str, value: str) -> Drafting:
+    """What backend.reconfigure() takes to serve one value of a method or K sweep: the served drafting with that
+    method (and the served K) or that K."""
+    served = backend.drafting() or Drafting(backend.describe().get("method", ""), None)
     if variable == "method":
-        return speculative_config(value, k, served.get("draft_model"))
-    return speculative_config(served["method"], int(value), served.get("draft_model"))
+        return Drafting(value, served.k, served.draft)
+    return replace(served, k=int(value))
 
 
 def request_for(base: Request, item: SuitePrompt, variable: str = "none", value: str = "",
@@ -176,7 +165,7 @@ def run_suite(backend, items: list[SuitePrompt], base: Request, history: History
                 suite.cancelled = True
                 break
             if restart and value != served:
-                backend.reconfigure(served_drafting(backend, variable, value, base.k))
+                backend.reconfigure(served_drafting(backend, variable, value))
                 served = value
             req = request_for(base, item, variable, value, suite_temperature and variable != "temperature")
             # what actually ran (runner.run_meta): after a reconfigure, the server's new method

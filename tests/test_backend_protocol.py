@@ -10,6 +10,7 @@ from engine.exact.backend import LocalBackend
 from engine.request import Request
 from engine.limits import SettingsError
 from engine.vllm.backend import VLLMBackend
+from engine.vllm.config import METHODS as VLLM_METHODS
 
 MEMBERS = [name for name, value in vars(Backend).items() if inspect.isfunction(value) and not name.startswith("_")]
 
@@ -43,7 +44,9 @@ def test_vllm_backend_says_which_settings_it_ignores():
     assert isinstance(attached, Backend)
     assert attached.capabilities == Capabilities(knows_rejected=False, per_request_drafting=False,
                                                  can_reconfigure=False, concurrent_requests=True,
-                                                 fair_strategy="sequential", fixed_variants=True)
+                                                 fair_strategy="sequential", fixed_variants=True,
+                                                 methods=VLLM_METHODS, sweep_methods=("ngram",))
+    assert attached.drafting() is None  # attached without its config
     assert attached.variants() == {}  # two servers: no extra speculative engines
     assert set(attached.ignored_settings(Request(prompt="x"))) == {"method", "k", "dynamic_k", "fallback",
                                                                     "draft_confidence", "draft_vocab"}
@@ -58,7 +61,7 @@ def test_vllm_backend_serves_its_extra_servers_as_variants():
                           extra=[("http://127.0.0.1:9", speculative_config("ngram", 2)), ("http://127.0.0.1:9", None)])
     assert backend.variants() == {"speculative-2": {"label": "vLLM ngram K=2", "method": "ngram"},
                                   "speculative-3": {"label": "vLLM (config not given)", "method": "vllm"}}
-    with pytest.raises(VLLMError, match="no speculative-4 vLLM server"):
+    with pytest.raises(VLLMError, match="no speculative-4 engine on this vllm backend"):
         list(backend.speculative(Request(prompt="x"), engine="speculative-4"))
 
 
@@ -74,7 +77,7 @@ def test_managed_engines_run_at_once_only_with_a_core_left_for_the_console(monke
     on_cores = [SimpleNamespace(config=SimpleNamespace(gpu=False, cpu_core=i, threads=1)) for i in range(2)]
     vllm = VLLMBackend("http://127.0.0.1:9", "http://127.0.0.1:9", "m", servers=on_cores)
     llama = LlamaCppBackend({"baseline": "http://127.0.0.1:9", "speculative": "http://127.0.0.1:9"},
-                            {"baseline": None, "speculative": None}, engines=on_cores)
+                            {"baseline": None, "speculative": None}, servers=on_cores)
     assert vllm.capabilities.fair_strategy == llama.capabilities.fair_strategy == strategy
     on_gpu = [SimpleNamespace(config=SimpleNamespace(gpu=True, cpu_core=None)) for _ in range(2)]
     assert VLLMBackend("http://127.0.0.1:9", "http://127.0.0.1:9", "m", servers=on_gpu).capabilities.fair_strategy \

@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from specconsole.tab_run import CHART_EVERY_S
+from specconsole.run_stream import CHART_EVERY_S
 from tests.conftest import CHROMIUM, free_ports, launch_chromium, set_run, skip_or_fail
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -436,11 +436,11 @@ class FullDisk:
     grow again. Needs no privilege, so it runs everywhere."""
 
     def __init__(self, db: Path):
-        import launch
+        from specconsole import cli
         from specconsole.app import launch as serve
 
         parser = argparse.ArgumentParser()
-        launch.add_engine_args(parser)
+        cli.add_engine_args(parser)
         self.db, self.port = db, free_ports(1)[0]
         self.history = History(db)
         self.host = hosts.local_host(parser.parse_args(["--preset", "smollm2-ngram"])).start()

@@ -28,7 +28,8 @@ from engine.sampling_params import SamplingParams
 from engine.stops import StopConditions
 from specconsole import runner
 from specconsole.export import export_csv, neutralise
-from specconsole.history import LIST_COLUMNS, History, process_start
+from specconsole.history import LIST_COLUMNS, History
+from specconsole.run_owner import process_start
 from specconsole.render import tokens_html
 from specconsole.runner import Comparison
 from tests.big_history import big_history_copy

@@ -174,7 +174,7 @@ def test_an_int4_gguf_target_is_stored_mapped_and_greedy_exact(tmp_path, monkeyp
 def test_the_default_is_int4_where_its_kernel_runs_and_float32_where_it_cannot(tmp_path, smol_tokenizer, monkeypatch):
     """launch.py's default, --precision auto: the int4 target here, where the kernel runs; on a machine without a
     compiler or ninja (here: a PATH without them), the float32 target, and the status line says why."""
-    from launch import parsers
+    from specconsole.cli import parsers
     from specconsole.hosts import local_host
 
     model = tmp_path / "tiny"

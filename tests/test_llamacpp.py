@@ -296,14 +296,26 @@ def test_a_missing_option_is_named_before_anything_starts(smol, monkeypatch):
 
 
 def test_reconfigure_restarts_the_speculative_engine(managed):
-    old = managed.urls["speculative"]
-    managed.reconfigure({"k": 2})
+    """A K sweep's restart keeps the method, draft and options; a method that does not start leaves the old engine
+    running; drafting() reports what runs, in the form reconfigure() takes."""
+    from dataclasses import replace
+
+    from engine.backend import Drafting
+
+    old, before = managed.urls["speculative"], managed.drafting()
+    managed.reconfigure(replace(before, k=2))
     try:
         assert managed.configs["speculative"].k == 2 and managed.urls["speculative"] != old
+        assert managed.drafting() == replace(before, k=2)
         _, r = run(managed.speculative(Request(prompt=PROMPTS[0], max_new_tokens=16)))
         assert r.error is None and max(s.drafted for s in r.steps) == 2
+        with pytest.raises(LlamaCppError, match="unknown llama.cpp method 'medusa'"):
+            managed.reconfigure(Drafting("medusa", 2))
+        with pytest.raises(LlamaCppError, match="unknown llama.cpp drafting settings: size"):
+            managed.reconfigure(Drafting("ngram-simple", 2, options=(("size", 3),)))
     finally:
-        managed.reconfigure({"k": 4})
+        managed.reconfigure(before)
+    assert managed.drafting() == before
 
 
 def test_launch_demo_on_the_llamacpp_backend(capsys):

@@ -78,7 +78,7 @@ def test_the_managed_engines_run_this_build_and_say_so(build, smol, tmp_path):
     assert args[args.index("--spec-draft-model") + 1] == smol and args[args.index("--host") + 1] == "127.0.0.1"
     backend = LlamaCppBackend.managed(config, log_dir=tmp_path, build=chosen)
     try:
-        assert all(Path(e.build.binary or "").samefile(build.binary) for e in backend.engines)
+        assert all(Path(e.build.binary or "").samefile(build.binary) for e in backend.servers)
         req = Request(prompt="Repeat exactly: alpha beta gamma delta, alpha beta gamma delta", max_new_tokens=24)
         plain = list(backend.baseline(req))[-1]
         spec = list(backend.speculative(req))[-1]
@@ -86,7 +86,7 @@ def test_the_managed_engines_run_this_build_and_say_so(build, smol, tmp_path):
         assert spec.metrics["drafted"] > 0  # llama-server really drafted (with its draft model, K=4)
     finally:
         backend.close()
-    assert not any(e.alive() for e in backend.engines)
+    assert not any(e.alive() for e in backend.servers)
 
 
 def test_a_users_own_binary_is_run_and_named(build, smol, tmp_path):

@@ -11,15 +11,15 @@ def test_one_set_of_request_defaults():
     """The page's controls, `launch.py demo` and `launch.py suite` build requests alike, from the same defaults."""
     import argparse
 
-    import launch
+    from specconsole import cli
     from engine import request as r
 
     demo = argparse.ArgumentParser()
-    launch.add_request_args(demo)
-    assert launch.build_request(demo.parse_args([]), "p", "draft") == r.build_request("p")
+    cli.add_request_args(demo)
+    assert cli.build_request(demo.parse_args([]), "p", "draft") == r.build_request("p")
     suite = argparse.ArgumentParser()
-    launch.add_request_args(suite, suite=True)
-    assert launch.build_request(suite.parse_args([]), "", "draft") == r.build_request(
+    cli.add_request_args(suite, suite=True)
+    assert cli.build_request(suite.parse_args([]), "", "draft") == r.build_request(
         "", max_new_tokens=r.SUITE_MAX_NEW_TOKENS)
     req = r.build_request("p", max_new_tokens=12.0, seed="", k=20.0, method="ngram", draft_confidence=0.5,
                           draft_vocab=4096.0)
@@ -32,19 +32,25 @@ def test_one_set_of_request_defaults():
 def test_page_greys_out_what_the_backend_does_not_apply(backend):
     from specconsole.host import ModelHost
     from specconsole.tab_run import DRAFTING_CONTROLS, backend_view
-    from tests.test_workbench import ServerLike
+    from tests.test_workbench import RestartableServer, ServerLike
 
     host = ModelHost("x", lambda p: None)
     assert all(u == gr.skip() for u in backend_view(host))  # still loading: nothing changes yet
     host.backend = ServerLike(backend)
-    *controls, section, compare, costs, costs_text = backend_view(host)
+    *controls, section, server_method, compare, costs, costs_text = backend_view(host)
     assert len(controls) == len(DRAFTING_CONTROLS)
-    assert all(u["interactive"] is False and "set by the vLLM server (eagle)" in u["info"] for u in controls)
+    assert all(u["interactive"] is False and "set by the speculative server (eagle)" in u["info"] for u in controls)
     assert section["visible"] is False  # attached servers cannot be reconfigured from the page
+    assert server_method == gr.skip()  # nor do they say which methods they could run
     assert compare == gr.skip()  # not fixed variants: the presets stay
     assert costs["visible"] is False  # a server's own policy drafts: no cost model of ours to show
+    # a server the console started: its section offers the backend's own methods, the served one picked
+    host.backend = RestartableServer(backend)
+    _, section, server_method, *_ = backend_view(host)[len(DRAFTING_CONTROLS) - 1:]
+    assert section["visible"] is True
+    assert server_method["choices"] == ["eagle", "ngram"] and server_method["value"] == "eagle"
     host.backend = backend
-    *controls, section, compare, costs, costs_text = backend_view(host)
+    *controls, section, server_method, compare, costs, costs_text = backend_view(host)
     assert all(u["interactive"] is True for u in controls) and section["visible"] is False
     # our policy's cost model, shown with what it measured
     assert costs["visible"] is True and "a plain target step" in costs_text and "draft token" in costs_text
@@ -98,7 +104,7 @@ def test_a_chart_update_reaches_the_page_without_a_panel_change():
     that carries only charts still names the run, or the charts would stay faded."""
     import json
 
-    from specconsole.tab_run import feed_of
+    from specconsole.run_stream import feed_of
 
     assert feed_of({"baseline": None, "speculative": None}, run="r1") is None  # nothing changes
     assert json.loads(feed_of({"baseline": None}, charts=True, run="r1")) == {"panels": {}, "run": "r1",

@@ -127,9 +127,9 @@ def test_the_page_does_not_keep_the_charts_it_replaced(console, browser, monkeyp
     runs). Counted after a forced garbage collection, runs 2 to 4 keep what run 1 left; the charts still show after
     a switch to another tab and back."""
     from benchmarks.page import LAST_RUN, page_kept
-    from specconsole import tab_run
+    from specconsole import run_stream
 
-    monkeypatch.setattr(tab_run, "CHART_EVERY_S", 0.5)  # several chart updates a run
+    monkeypatch.setattr(run_stream, "CHART_EVERY_S", 0.5)  # several chart updates a run
     url, _ = console
     page = browser.new_context(viewport={"width": 1500, "height": 1700}).new_page()
     page.goto(url)

@@ -207,12 +207,16 @@ def test_concurrency_sweep(vllm):
 
 
 def test_reconfigure_from_the_page_settings(vllm):
-    vllm.reconfigure(speculative_config("ngram", 2))
+    from engine.backend import Drafting
+
+    vllm.reconfigure(Drafting("ngram", 2))
+    assert vllm.speculative_config == speculative_config("ngram", 2)
     _, s = run(vllm, "speculative", Request(prompt=JSON_PROMPT, max_new_tokens=30))
     assert s.metrics["highlighting"].startswith("exact") and max(st.drafted for st in s.steps) == 2
-    with pytest.raises(VLLMError, match="previous one is running again"):
-        vllm.reconfigure(speculative_config("draft_model", 2, "/no/such/draft"))
+    with pytest.raises(VLLMError, match="previous ones are running again"):
+        vllm.reconfigure(Drafting("draft_model", 2, "/no/such/draft"))
     assert vllm.speculative_config["num_speculative_tokens"] == 2
+    assert vllm.drafting() == Drafting("ngram", 2, None, (("prompt_lookup_min", 1), ("prompt_lookup_max", 4)))
     run(vllm, "speculative", Request(prompt=JSON_PROMPT, max_new_tokens=8))  # still serving
 
 

@@ -441,26 +441,29 @@ def test_history_csv_exports_the_divergence_note_with_the_first_divergence(tmp_p
 
 
 class RestartableServer(ServerLike):
-    """ServerLike whose speculative server the console started: reconfigure() records each --speculative-config."""
+    """ServerLike whose speculative server the console started: reconfigure() records each Drafting it is given."""
 
     def __init__(self, inner):
         from dataclasses import replace
 
+        from engine.backend import Drafting
+
         super().__init__(inner)
-        self.capabilities = replace(self.capabilities, can_reconfigure=True)
-        self.speculative_config = {"method": "eagle", "num_speculative_tokens": 4, "model": "/m/eagle"}
+        self.capabilities = replace(self.capabilities, can_reconfigure=True, methods=("eagle", "ngram"),
+                                    sweep_methods=("ngram",))
+        self.served_now = Drafting("eagle", 4, "/m/eagle", (("option", 1),))
         self.served = []
 
-    def reconfigure(self, config):
-        self.served.append(config)
-        self.speculative_config = config
+    def reconfigure(self, drafting):
+        self.served.append(drafting)
+        self.served_now = drafting
 
     def drafting(self):
-        return dict(self.speculative_config)
+        return self.served_now
 
     def describe(self):
-        spec = self.speculative_config
-        return {"backend": "vllm", "target_model": "tiny", "draft_model": spec.get("model"), "method": spec["method"]}
+        served = self.served_now
+        return {"backend": "vllm", "target_model": "tiny", "draft_model": served.draft, "method": served.method}
 
 
 def test_k_sweep_on_a_server_restarts_it_per_k_then_restores_it(backend, tmp_path):
@@ -472,11 +475,19 @@ def test_k_sweep_on_a_server_restarts_it_per_k_then_restores_it(backend, tmp_pat
     history = History(tmp_path / "h.db")
     suite = run_suite(server, ITEMS[:1], Request(prompt="-", max_new_tokens=4), history, {}, variable="k",
                       values=["2", "6"])
-    assert [c["num_speculative_tokens"] for c in server.served] == [2, 6, 4]
-    assert {(c["method"], c["model"]) for c in server.served} == {("eagle", "/m/eagle")}
+    assert [d.k for d in server.served] == [2, 6, 4]  # then restored, its options too
+    assert {(d.method, d.draft, d.options) for d in server.served} == {("eagle", "/m/eagle", (("option", 1),))}
     assert sorted(r["sweep_value"] for r in history.runs(suite_id=suite.suite_id)) == ["2", "6"]
     with pytest.raises(ValueError, match="dynamic K is the local backend's"):
         SuiteJob(server, None, ITEMS, build_request(""), variable="k", values=["2", "dynamic"]).check()
     assert SuiteJob(server, None, ITEMS, build_request(""), variable="k").values == ["1", "2", "4", "8"]
     with pytest.raises(ValueError, match="only engines the console started"):
         SuiteJob(ServerLike(backend), None, ITEMS, build_request(""), variable="k", values=["2"]).check()
+    # a method sweep: the served K and draft with each method, the backend's own sweep by default, then as it was
+    server.served.clear()
+    run_suite(server, ITEMS[:1], Request(prompt="-", max_new_tokens=4), history, {}, variable="method",
+              values=["ngram"])
+    assert [(d.method, d.k, d.draft) for d in server.served] == [("ngram", 4, "/m/eagle"), ("eagle", 4, "/m/eagle")]
+    assert SuiteJob(server, None, ITEMS, build_request(""), variable="method").values == ["ngram"]
+    with pytest.raises(ValueError, match="must be one of eagle, ngram"):
+        SuiteJob(server, None, ITEMS, build_request(""), variable="method", values=["draft"]).check()

@@ -151,10 +151,10 @@ class LocalBackend:
     def ignored_settings(self, req: Request) -> tuple[str, ...]:
         return ()
 
-    def drafting(self) -> dict:
-        return {}  # the request's drafting settings apply, per run
+    def drafting(self) -> None:
+        return None  # the request's drafting settings apply, per run
 
-    def reconfigure(self, speculative: dict) -> None:
+    def reconfigure(self, drafting) -> None:
         raise SettingsError("the local engines take their drafting settings with each run; nothing to restart")
 
     def throughput(self, engine: str, prompts: list[str], max_new_tokens: int,

