@@ -109,7 +109,16 @@
       tps: finished ? e.final.tokens_per_s : (last > 0 ? out / last : null),
       acceptance: finished ? e.final.acceptance_rate : (drafted ? accepted / drafted : null),
       meanLength: finished ? e.final.mean_accepted_length : (k ? 1 + accepted / k : null),
+      histogram: histogram(e.spec.slice(0, k)),
     };
+  }
+
+  // speculative steps by drafts accepted (engine.metrics' acceptance_histogram), as far as the replay has got
+  function histogram(steps) {
+    if (!steps.length) return '–';
+    const counts = Array(Math.max(...steps.map((s) => s[1])) + 1).fill(0);
+    steps.forEach((s) => { counts[s[2]] += 1; });
+    return counts.map((n, i) => `${i}: ${n}`).join(' · ');
   }
 
   const fmt = (v, digits, suffix = '') => (v === null || v === undefined || !isFinite(v) ? '–' : v.toFixed(digits) + suffix);
@@ -124,6 +133,7 @@
     }).join(' | ')],
     [label('acceptance'), (s) => s.slice(1).map((x) => fmt(x.acceptance, 2)).join(' | ')],
     [label('mean accepted length'), (s) => s.slice(1).map((x) => fmt(x.meanLength, 2)).join(' | ')],
+    [label('drafts accepted per step'), (s) => s.slice(1).map((x) => x.histogram).join(' | ')],
   ];
   const figures = $('figures');
   const grid = div('figures', figures);

@@ -3,7 +3,7 @@
     python -m benchmarks.llamacpp                       24 HumanEval + 16 MT-Bench prompts, llama.cpp only
     python -m benchmarks.llamacpp --ours                the same, plus our local engine's baseline and speculative
     python -m benchmarks.llamacpp --humaneval-prompts 4 --mtbench-prompts 4 --repeats 1 --ours   quick check
-    python -m benchmarks.llamacpp --ours --precision float32 --fallback   our float32 target, speculation off while it loses
+    python -m benchmarks.llamacpp --ours --fallback   our engine switching speculation off while it loses
     python -m benchmarks.llamacpp --preset smollm2-ngram --spec ngram-simple:k=4:n=2,ngram-mod:k=4   no draft model
     python -m benchmarks.llamacpp --ours --wheel-too    also the xllamacpp wheel's plain decoding, against this build
 
@@ -48,7 +48,7 @@ from engine.loading.weights import gguf_model
 from engine.metrics import compare
 from engine.presets import PRESETS
 from engine.process.client import EngineProcess
-from engine.request import Request, build_request
+from engine.request import DEFAULT_FALLBACK, Request, build_request
 from engine.setup import setup
 
 log = logging.getLogger("benchmarks.llamacpp")
@@ -211,8 +211,9 @@ def main(argv=None) -> int:
                    help="also the xllamacpp wheel's plain decoding: wheel / this build, per prompt")
     p.add_argument("--no-docs", action="store_true", help="print only; by default the table also replaces this "
                                                           "machine's and configuration's own in docs/llamacpp.md")
-    p.add_argument("--fallback", action="store_true",
-                   help="our speculative engine switches speculation off while it does not pay (--ours; docs/policy.md)")
+    p.add_argument("--fallback", action=argparse.BooleanOptionalAction, default=DEFAULT_FALLBACK,
+                   help="our speculative engine switches speculation off while it does not pay (--ours; default: the "
+                        "console's, docs/policy.md)")
     args = p.parse_args(argv)
 
     preset = PRESETS[args.preset]

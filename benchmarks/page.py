@@ -7,8 +7,8 @@
     python -m benchmarks.page --presenter                    the page in presenter view (?view=present)
 
 Options this script does not know (--llamacpp-method, --llamacpp-threads, --target, ...) go to launch.py, so that
-both phases build the same backend the same way (specconsole.hosts.backend_host). Managed vLLM servers: each phase starts its
-own pair on free ports (four servers, two at a time idle), so that both run them as the console does, one core each.
+both phases build the same backend the same way (specconsole.backends.backend_host). Managed vLLM servers: each phase
+starts its own pair on free ports (four servers, two at a time idle), so that both run them as the console does, one core each.
 
 The backend is built twice, the same way: for this process (the API: specconsole.runner.Comparison, fair mode, no
 page, as `launch.py demo` drives it) and for the console (launch.py on a free loopback port, a fresh history file),
@@ -267,7 +267,7 @@ def api_session(args):
     """The backend the console builds, in this process; yields a function that makes one run through its API
     (specconsole.runner.Comparison, fair mode, no page)."""
     from specconsole import cli
-    from specconsole.hosts import backend_host
+    from specconsole.backends import backend_host
     from engine.request import build_request
     from specconsole import machine as machine_module
     from specconsole.runner import Comparison

@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     from specconsole import cli
     from benchmarks.doc_table import machine
     from engine.request import build_request
-    from specconsole.hosts import backend_host
+    from specconsole.backends import backend_host
 
     parser = argparse.ArgumentParser(prog="launch.py")
     cli.add_engine_args(parser)

@@ -6,8 +6,8 @@
     python -m benchmarks.speed --variants hybrid      levers side by side: each configuration runs on every prompt,
                                                       against the same baseline and HF runs of the same repeat
 
-All four runs of a prompt use the same two model objects with the same optimisations (prepacked float32 target, or
-float16 with --precision float16; int8 draft on CPU), greedy decoding (whatever temperature a suite gives), the chat
+All four runs of a prompt use the same two model objects with the same optimisations (the console's target: int4
+where its kernel runs, else prepacked float32; --precision picks another; the draft as the console runs it), greedy decoding (whatever temperature a suite gives), the chat
 template (with a multi-turn prompt's earlier turns) and the same token budget. Within one repeat a prompt runs on
 all four back to back, in the reverse order on odd repeats so that a drift in the machine's speed favours none of
 them; repeats are full passes over the prompts. Per prompt, each figure is the median over repeats of the figure
@@ -34,7 +34,7 @@ import torch
 
 from benchmarks.doc_table import machine
 from engine.exact.backend import LocalBackend
-from engine.exact.precision import PRECISIONS
+from engine.exact.precision import AUTO, PRECISIONS
 from engine.methods import METHODS
 from engine.request import Request
 from engine.events import RunResult
@@ -347,8 +347,9 @@ def main(argv=None) -> int:
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="FR-Spec: our draft model drafts among its N most frequent tokens (0 = all)")
     p.add_argument("--min-rows", type=int, default=MIN_ROWS, help="target passes padded to this many rows (1: none)")
-    p.add_argument("--precision", default="float32", choices=PRECISIONS,
-                   help="the target's weights (engine.exact.precision); HF runs on the same model object")
+    p.add_argument("--precision", default=AUTO, choices=(AUTO, *PRECISIONS),
+                   help="the target's weights (engine.exact.precision; default: the console's, int4 where its kernel\n"
+                        "runs); HF runs on the same model object")
     p.add_argument("--variants", nargs="*", default=[], metavar="SETTINGS",
                    help="more speculative configurations, each run on every prompt beside the main one and\n"
                         "compared with the same baseline and HF runs: a method and/or settings of a run,\n"
@@ -413,7 +414,7 @@ def main(argv=None) -> int:
     repeats += " (interrupted: fewer for some prompts)" if interrupted else ""
     out.write(f"\nPrompts: {describe_prompts(plan, args.sample_seed)}; {repeats}, engine order reversed "
               f"on odd repeats; greedy; {args.max_new_tokens} new tokens; preset {args.preset} "
-              f"({args.precision} target, method {method}, {kind}, confidence floor {args.confidence}, draft "
+              f"({backend.precision} target, method {method}, {kind}, confidence floor {args.confidence}, draft "
               f"vocabulary {args.draft_vocab or 'full'}); machine: {machine()}; "
               f"{datetime.date.today().isoformat()}.\n\n")
     out.write(table(rows) + "\n\n")

@@ -60,6 +60,7 @@ class StepRecord:
     verify_ms: float  # the target forward pass (for a plain step: the decoding step itself)
     time_s: float  # when the step finished, seconds since the run started
     drafter: str = ""  # who drafted: "draft" | "ngram" (a hybrid run has both); "" for a plain step or not known
+    ignored: int | None = None  # drafts the output never reached (engine.exact.sampling); None: not known (servers)
 
 
 class PolicyAction(str, Enum):

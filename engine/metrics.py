@@ -15,7 +15,8 @@ from engine.events import PolicyAction, RunResult, TokenKind
 # figures that need to know which target pass produced which token, where a server cannot say; None prints "unknown"
 UNKNOWN_STEP_FIGURES = {"target_passes": None, "passes_saved": None, "steps": None, "drafted": None,
                         "accepted": None, "acceptance_rate": None, "mean_accepted_length": None, "mean_k": None,
-                        "per_position_acceptance": []}
+                        "per_position_acceptance": [], "acceptance_histogram": None,
+                        "steps_accepting_nothing": None, "ignored_drafts": None}
 
 
 def expected_tokens_per_pass(a: float, k: float) -> float:
@@ -74,8 +75,37 @@ def run_metrics(r: RunResult) -> dict:
         "fallback_count": sum(e.action == PolicyAction.FALLBACK for e in r.policy),
         "rejected_tokens": sum(t.kind == TokenKind.REJECTED for t in r.tokens),
         "tree_accepted": _tree_accepted(r.tokens),
+        "ignored_drafts": None if any(s.ignored is None for s in spec) else sum(s.ignored for s in spec),
+        # how many steps accepted 0, 1, ... drafts; a step that accepted none bought one token for a target pass
+        # and a draft's cost
+        "acceptance_histogram": [sum(s.accepted == i for s in spec) for i in range(max_k + 1)] if spec else [],
+        "steps_accepting_nothing": sum(s.accepted == 0 for s in spec) / len(spec) if spec else None,
+        **time_split(r),
     }
     return m
+
+
+# a speculative engine that drafted nothing in its first this many target passes says so (speculation_idle)
+IDLE_CHECK_PASSES = 8
+
+
+def speculation_idle(r: RunResult) -> bool:
+    """Whether a speculative engine's first IDLE_CHECK_PASSES target passes drafted nothing: speculation is off (a
+    server started without its draft settings taking effect) or the drafter finds nothing to propose (an n-gram
+    with no match). False while fewer passes are known, and for the baseline."""
+    first = r.steps[:IDLE_CHECK_PASSES]
+    return r.engine != "baseline" and len(first) == IDLE_CHECK_PASSES and not any(s.drafted for s in first)
+
+
+def time_split(r: RunResult) -> dict:
+    """Where the run's time went: drafting, the target's passes (the prefill included) and everything else (the
+    stop checks, the events, the policy, a clock's gaps); None each where the steps carry no timings (servers)."""
+    drafting = sum(s.draft_ms for s in r.steps)
+    verifying = sum(s.verify_ms for s in r.steps)
+    if not drafting + verifying:
+        return {"drafting_ms": None, "verifying_ms": None, "other_ms": None}
+    return {"drafting_ms": drafting, "verifying_ms": verifying,
+            "other_ms": max(0.0, 1000 * r.total_s - drafting - verifying)}
 
 
 def _tree_accepted(tokens) -> int:

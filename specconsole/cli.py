@@ -46,7 +46,8 @@ def add_request_args(p: argparse.ArgumentParser, suite: bool = False) -> None:
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help=f"FR-Spec: a draft model drafts among its N most frequent tokens only (0 = all; N >= "
                         f"{r.MIN_DRAFT_VOCAB}); the output stays exact")
-    p.add_argument("--fallback", action="store_true", help="switch speculation off while it does not pay")
+    p.add_argument("--fallback", action=argparse.BooleanOptionalAction, default=r.DEFAULT_FALLBACK,
+                   help="switch speculation off while it does not pay, for ever longer stretches (docs/policy.md)")
     p.add_argument("--max-new-tokens", type=int, default=r.SUITE_MAX_NEW_TOKENS if suite else r.DEFAULT_MAX_NEW_TOKENS)
     if not suite:  # a suite's prompts each bring their temperature
         p.add_argument("--temperature", type=float, default=r.DEFAULT_TEMPERATURE)

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from specconsole import cli
-from specconsole.hosts import backend_host
+from specconsole.backends import backend_host
 
 log = logging.getLogger("specconsole")
 

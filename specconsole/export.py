@@ -41,8 +41,11 @@ SUMMARY_COLUMNS = [
     "repeat",
 ]
 COMPARISON_KEYS = ("decode_speedup", "alpha", "theoretical_bound", "machine_bound", "efficiency")
-# provisional_accuracy: vLLM runs only (how often the kinds guessed while streaming were right)
-METRIC_KEYS = ("output_tokens", "ttft_ms", "tpot_ms", "target_passes", "drafted", "accepted", "provisional_accuracy")
+# Per engine, in both CSVs (the runs CSV prefixes them with the engine's name): docs/history.md#the-csv-files says
+# what each means. provisional_accuracy: vLLM runs only (how often the kinds guessed while streaming were right)
+METRIC_KEYS = ("output_tokens", "ttft_ms", "tpot_ms", "target_passes", "drafted", "accepted", "provisional_accuracy",
+               "ignored_drafts", "acceptance_histogram", "steps_accepting_nothing", "drafting_ms", "verifying_ms",
+               "other_ms")
 TOKEN_COLUMNS = list(EVENT_TABLES["tokens"])
 # the engines CSV: one row per run and engine
 ENGINE_CSV_COLUMNS = ["run_id", "engine", "label", "method", "tokens_per_s", "speedup", "acceptance_rate",

@@ -58,7 +58,8 @@ EVENT_TABLES = {  # the engines' events, one row each, keyed by run and engine
                "position": int, "time_s": float, "idx": int, "p": float, "q": float,
                "provisional": int},  # 1: the kind is a guess from a vLLM stream's chunks, not (yet) confirmed
     "steps": {"run_id": str, "engine": str, "step": int, "drafted": int, "accepted": int, "emitted": int,
-              "draft_ms": float, "verify_ms": float, "time_s": float, "drafter": str},
+              "draft_ms": float, "verify_ms": float, "time_s": float, "drafter": str,
+              "ignored": int},  # NULL: not known (a server), or saved before it was counted
     "policy": {"run_id": str, "engine": str, "step": int, "action": str, "k": int, "reason": str, "time_s": float},
 }
 

@@ -133,6 +133,32 @@ def _provisional_figure(s: dict) -> str:
     return f'{number(s["provisional_accuracy"], ".0%")}{note}'
 
 
+def _known(m: dict, key: str, spec: str = "") -> str:
+    """A figure, "unknown" where the backend cannot know it (the key is there with None), "–" before it is known."""
+    return "unknown" if key in m and m[key] is None else number(m.get(key), spec)
+
+
+def _histogram_figure(s: dict) -> str:
+    """How many speculative steps accepted 0, 1, 2, ... drafts, and the share that accepted none."""
+    counts = s.get("acceptance_histogram")
+    if not counts:
+        return _known(s, "acceptance_histogram")
+    bars = " · ".join(f"{i}: {number(n)}" for i, n in enumerate(counts))
+    return (f'{bars}<div class="fig-note">{number(s.get("steps_accepting_nothing"), ".0%")} of the steps accepted '
+            f'nothing: each bought one token for a target pass and a draft</div>')
+
+
+def _time_split_figure(b: dict, s: dict) -> str:
+    """Where each engine's time went (engine.metrics.time_split), in seconds."""
+    def split(m: dict) -> str:
+        parts = [m.get(k) for k in ("drafting_ms", "verifying_ms", "other_ms")]
+        if "drafting_ms" in m and parts[0] is None:
+            return "unknown"
+        return " | ".join(number(None if p is None else p / 1000, ".2f") for p in parts)
+
+    return f'{split(s)}<div class="fig-note">baseline: {split(b)}</div>'
+
+
 def figures_html(baseline: RunResult | None, speculative: RunResult | None, comparison: dict, mode: str,
                  rolling_acceptance: float | None) -> str:
     b = baseline.metrics if baseline else {}
@@ -164,6 +190,9 @@ def figures_html(baseline: RunResult | None, speculative: RunResult | None, comp
                                              f'{number(comparison.get("machine_bound"), ".2f", "×")}'),
         ("efficiency (speedup / machine bound)", number(comparison.get("efficiency"), ".2f")),
         ("fallbacks", number(s.get("fallback_count"))),
+        ("drafts accepted per step", _histogram_figure(s)),
+        ("ignored drafts (cut off by a stop)", _known(s, "ignored_drafts")),
+        ("time: drafting | target passes | other (s)", _time_split_figure(b, s)),
     ]
     if "vllm_time_to_first_token_ms" in s:  # what the vLLM servers measured themselves
         rows += [

@@ -13,6 +13,7 @@ from html import escape
 import gradio as gr
 
 from engine.backend import ENGINES
+from engine.metrics import IDLE_CHECK_PASSES, speculation_idle
 from specconsole import charts
 from specconsole.render import PanelFeed, engines_html, figures_html
 from specconsole.runner import Comparison
@@ -65,7 +66,11 @@ def notices(engines, message: str) -> str | None:
 
 
 def _panel_note(result) -> str:
-    return f"{result.finish_reason} · {len(result.output_tokens)} tokens" if result.finish_reason else "running…"
+    note = f"{result.finish_reason} · {len(result.output_tokens)} tokens" if result.finish_reason else "running…"
+    if speculation_idle(result):
+        note += (f" · no drafts in its first {IDLE_CHECK_PASSES} target passes: speculation is off, or its drafter "
+                 "finds nothing to propose here")
+    return note
 
 
 def _save_note(comp: Comparison) -> str:

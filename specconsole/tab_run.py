@@ -23,9 +23,9 @@ from engine.backend import ENGINES, MAX_EXTRA, Drafting, extra_engine
 from engine.limits import DYNAMIC_K_MAX, MAX_K, MAX_QUEUED_RUNS, SettingsError
 from engine.exact.models import ModelError
 from engine.methods import METHODS
-from engine.request import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DYNAMIC_K, DEFAULT_K, DEFAULT_MAX_NEW_TOKENS,
-                            DEFAULT_SEED, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, MAX_NEW_TOKENS, MIN_DRAFT_VOCAB,
-                            build_request)
+from engine.request import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DYNAMIC_K, DEFAULT_FALLBACK, DEFAULT_K,
+                            DEFAULT_MAX_NEW_TOKENS, DEFAULT_SEED, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, MAX_NEW_TOKENS,
+                            MIN_DRAFT_VOCAB, Request, build_request)
 from specconsole.history import History
 from specconsole.host import ModelHost
 from specconsole.markup import md
@@ -65,6 +65,32 @@ class RunSettings:
     seed: gr.Number
     mode: gr.Radio
     show_rejected: gr.Checkbox
+
+
+@dataclass
+class RunForm:
+    """The Run tab's inputs, in the order of its `inputs` list (as Gradio passes their values)."""
+    prompt: str
+    category: str
+    method: str
+    k: float
+    dynamic_k: bool
+    confidence: float
+    draft_vocab: float | None
+    fallback: bool
+    temperature: float
+    top_p: float
+    max_new: float
+    seed: float | None
+    mode: str
+    show_rejected: bool
+    compare_with: list[str] | None
+
+    def request(self) -> Request:
+        return build_request(self.prompt, max_new_tokens=self.max_new, temperature=self.temperature,
+                             top_p=self.top_p, seed=self.seed, method=self.method, k=self.k,
+                             dynamic_k=self.dynamic_k, draft_confidence=self.confidence, fallback=self.fallback,
+                             draft_vocab=self.draft_vocab)
 
 
 @dataclass
@@ -158,35 +184,33 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
     active: dict[str, Comparison] = {}  # session -> its running comparison, for Stop
     queued: dict[str, threading.Event] = {}  # session -> set by Stop while its run waits for another one
 
-    def variants(prompt, method, k, dynamic_k, confidence, draft_vocab, fallback, temperature, top_p, max_new, seed,
-                 compare_with):
+    def variants(form: RunForm):
         """The run's request and its speculative configurations (the main one, then the extra ones), checked;
         raises SettingsError, ModelError or ValueError with the reason."""
-        req = build_request(prompt, max_new_tokens=max_new, temperature=temperature, top_p=top_p, seed=seed,
-                            method=method, k=k, dynamic_k=dynamic_k, draft_confidence=confidence,
-                            fallback=fallback, draft_vocab=draft_vocab)
+        req = form.request()
         host.backend.validate(req)  # before anything runs or is saved
         # vLLM, llama.cpp: "Compare with" lists the backend's own extra servers; local: the drafting presets
-        label = label_of({"method": method} | ({"dynamic_k": True} if dynamic_k else {"k": int(k)}), method)
-        drafting = lambda: [Variant(label, req), *from_presets(req, compare_with)]
-        speculative, *extra = choose(host.backend, req, drafting, compare_with or [])
+        drafting = {"method": form.method} | ({"dynamic_k": True} if form.dynamic_k else {"k": int(form.k)})
+        label = label_of(drafting, form.method)
+        presets = lambda: [Variant(label, req), *from_presets(req, form.compare_with)]
+        speculative, *extra = choose(host.backend, req, presets, form.compare_with or [])
         for v in extra:
             host.backend.validate(v.request)
         return req, speculative, extra
 
-    def plan(prompt, category, method, k, dynamic_k, confidence, draft_vocab, fallback, temperature, top_p,
-             max_new, seed, mode, show_rejected, compare_with):
+    def plan(*values):
         """Before a run: show the extra panels it will use, headed by their labels, and hide the others (an event of
         its own, so that the run's many updates need not name these components)."""
         try:
-            extra = variants(prompt, method, k, dynamic_k, confidence, draft_vocab, fallback, temperature, top_p,
-                             max_new, seed, compare_with)[2] if host.ready else []
+            extra = variants(RunForm(*values))[2] if host.ready else []
         except (SettingsError, ModelError, ValueError):
             extra = []  # the run says why
         return extra_layout([v.label for v in extra])
 
     def run(prompt, category, method, k, dynamic_k, confidence, draft_vocab, fallback, temperature, top_p, max_new,
             seed, mode, show_rejected, compare_with, request: gr.Request):
+        form = RunForm(prompt, category, method, k, dynamic_k, confidence, draft_vocab, fallback, temperature, top_p,
+                       max_new, seed, mode, show_rejected, compare_with)
         session = request.session_hash if request else "local"
         panel_run = uuid.uuid4().hex[:8]  # tells the page's panels that a new run starts
         if not host.ready:
@@ -194,8 +218,7 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
             yield outputs_of(notices(ENGINES, panel_notice(panel_run, msg)), "")
             return
         try:
-            req, speculative, extra = variants(prompt, method, k, dynamic_k, confidence, draft_vocab, fallback,
-                                               temperature, top_p, max_new, seed, compare_with)
+            req, speculative, extra = variants(form)
         except (SettingsError, ModelError, ValueError) as e:
             yield outputs_of(notices(ENGINES, panel_notice(panel_run, str(e))), "")
             return
@@ -219,11 +242,12 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
             finally:
                 queued.pop(session, None)
         try:
-            comp = Comparison(host.backend, req, mode, history, run_meta(host.backend, req) | {"category": category},
+            comp = Comparison(host.backend, req, form.mode, history,
+                              run_meta(host.backend, req) | {"category": form.category},
                               extra=extra, label=speculative.label)
             active[session] = comp
             try:
-                yield from stream(comp, panel_run, mode, show_rejected)  # starts it
+                yield from stream(comp, panel_run, form.mode, form.show_rejected)  # starts it
             finally:
                 comp.cancel.set()  # a closed tab or an error must not leave the engines running
                 active.pop(session, None)
@@ -326,7 +350,7 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
                                         info="the draft model drafts among its N most frequent tokens only "
                                              f"(N >= {MIN_DRAFT_VOCAB}); the target still checks every token")
             with gr.Row():
-                fallback = gr.Checkbox(value=False, label="Fall back to plain decoding when it does not pay")
+                fallback = gr.Checkbox(value=DEFAULT_FALLBACK, label="Fall back to plain decoding when it does not pay")
             with gr.Row():
                 temperature = gr.Slider(0.0, 1.5, value=first.temperature if first else DEFAULT_TEMPERATURE, step=0.05,
                                         label="Temperature (0 = greedy)", elem_id="temperature")

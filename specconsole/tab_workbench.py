@@ -48,6 +48,9 @@ def build(host: ModelHost, history: History, tab: gr.Tab, settings: RunSettings)
         latest = list(concurrency_results.values())[-1] if concurrency_results else None
         advice = advice_for(host.backend, agg, variable, latest)
         table = agg.drop(columns=["per_position", "prompt_speedups"]).round(3) if not agg.empty else conc
+        if not agg.empty:  # steps by drafts accepted, as the Run tab shows them
+            table["histogram"] = [" · ".join(f"{i}: {n}" for i, n in enumerate(h)) if isinstance(h, list)
+                                  else "unknown" for h in table["histogram"]]
         figs = suite_figures(agg if not agg.empty else pd.DataFrame(columns=["category", "sweep_value"]), conc)
         figs += [None] * (4 - len(figs))
         text = "\n\n".join(a.markdown() for a in advice) or (

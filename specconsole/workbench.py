@@ -218,6 +218,7 @@ def runs_frame(history: History, suite_id: str) -> pd.DataFrame:
             "acceptance": s.get("acceptance_rate"), "alpha": c.get("alpha"),
             "mean_accepted_length": s.get("mean_accepted_length"),
             "per_position": s.get("per_position_acceptance") or [],
+            "histogram": s.get("acceptance_histogram"),  # None: the backend could not place the steps
             "ttft_ms_baseline": b.get("ttft_ms"), "ttft_ms_speculative": s.get("ttft_ms"),
             "tpot_ms_baseline": b.get("tpot_ms"), "tpot_ms_speculative": s.get("tpot_ms"),
             "prefill_share": (s.get("prefill_ms") or 0) / total_ms if total_ms else None,
@@ -228,6 +229,17 @@ def runs_frame(history: History, suite_id: str) -> pd.DataFrame:
             "divergence_note": s.get("divergence_note") if c.get("identical") is False else None,
         })
     return pd.DataFrame(rows)
+
+
+def _histogram(histograms) -> dict:
+    """A category's speculative steps by drafts accepted (engine.metrics' acceptance_histogram), summed over its
+    runs, and the share that accepted nothing; None where any run's steps could not be placed (unknown, not 0)."""
+    histograms = list(histograms)
+    if not histograms or any(h is None or h != h for h in histograms):
+        return {"histogram": None, "steps_accepting_nothing": None}
+    width = max((len(h) for h in histograms), default=0)
+    total = [sum(h[i] for h in histograms if len(h) > i) for i in range(width)]
+    return {"histogram": total, "steps_accepting_nothing": total[0] / sum(total) if sum(total) else None}
 
 
 def _present(values) -> list:
@@ -283,6 +295,7 @@ def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
             "noise_cv": _med(noise), "baseline_tps": med("baseline_tps"), "speculative_tps": med("speculative_tps"),
             "acceptance": med("acceptance"), "alpha": med("alpha"), "mean_accepted_length": med("mean_accepted_length"),
             "per_position": [_med([p[i] for p in positions if len(p) > i]) for i in range(width)],
+            **_histogram(g.get("histogram", [])),
             "ttft_ms_baseline": med("ttft_ms_baseline"), "ttft_ms_speculative": med("ttft_ms_speculative"),
             "tpot_ms_baseline": med("tpot_ms_baseline"), "tpot_ms_speculative": med("tpot_ms_speculative"),
             "prefill_share": med("prefill_share"), "machine_bound": med("machine_bound"),

@@ -2,6 +2,7 @@
 small SmolLM2 preset, a real SQLite file."""
 
 import os
+import re
 import signal
 import socket
 import sqlite3
@@ -118,7 +119,18 @@ def test_run_history_and_csv(console, page, tmp_path):
     assert page.locator("#speculative-panel .tok.accepted").count() > 0
     assert page.locator("#speculative-panel .tok.recovered, #speculative-panel .tok.bonus").count() > 0
     assert page.locator("#baseline-panel .tok.accepted").count() == 0
-    assert "identical to the baseline" in page.inner_text("#figures")
+    figures = page.inner_text("#figures")
+    assert "identical to the baseline" in figures
+    # steps by drafts accepted, ignored drafts and where the time went, as the saved run's metrics say
+    from specconsole.history import History
+
+    saved = History(db)
+    spec = saved.results(saved.runs()[0]["id"])["speculative"].metrics
+    bars = " · ".join(f"{i}: {n}" for i, n in enumerate(spec["acceptance_histogram"]))
+    assert bars and bars in figures and f"{spec['steps_accepting_nothing']:.0%} of the steps accepted nothing" in figures
+    assert re.search(r"ignored drafts \(cut off by a stop\)\s+\d+", figures)
+    split = " | ".join(f"{spec[k] / 1000:.2f}" for k in ("drafting_ms", "verifying_ms", "other_ms"))
+    assert re.search(r"time: drafting \| target passes \| other \(s\)\s+" + re.escape(split), figures)
     # the tokens chart has drawn a line per engine
     expect(page.locator("#chart-tokens g.trace.scatter")).to_have_count(2, timeout=30_000)
     assert page.locator("#chart-steps g.trace.bars").count() >= 1
@@ -171,6 +183,21 @@ TAG_FIRST_TOKENS = """() => {
 }"""
 
 
+# Records each new value of the figures that count the steps by drafts accepted and split the time, as the page
+# shows them during a run.
+WATCH_FIGURES = """() => {
+    window.seen = {'drafts accepted per step': [], 'time: drafting | target passes | other (s)': []};
+    const root = document.querySelector('#figures');
+    new MutationObserver(() => {
+        for (const label of root.querySelectorAll('.fig-label')) {
+            const values = window.seen[label.textContent];
+            const value = label.nextElementSibling.firstChild?.textContent;
+            if (values && value && values[values.length - 1] !== value) values.push(value);
+        }
+    }).observe(root, {childList: true, subtree: true, characterData: true});
+}"""
+
+
 def test_live_panels_append_and_charts_throttle(console, page):
     """The page must not take the CPU it measures: tokens already shown are never re-created by later updates, and
     each chart is updated at most once every CHART_EVERY_S during a run, and not as it begins. Nor is the page
@@ -183,10 +210,14 @@ def test_live_panels_append_and_charts_throttle(console, page):
     page.wait_for_function("() => window.Plotly && window.Plotly.react")  # the empty charts are drawn at load
     page.evaluate(COUNT_REDRAWS)
     page.evaluate(TAG_FIRST_TOKENS)
+    page.evaluate(WATCH_FIGURES)
     start = page.evaluate("performance.now()")
     page.click("#run")
     wait_for_run(page)
     end = page.evaluate("performance.now()")
+    # the histogram and the time split grew with the run, not only at its end
+    for label, values in page.evaluate("window.seen").items():
+        assert len(values) >= 2 and values[-1] != values[0], (label, values)
     for panel in ("baseline-panel", "speculative-panel"):
         count_then = page.evaluate(f"window.tagged['{panel}']")
         count_now = page.locator(f"#{panel} .tok").count()

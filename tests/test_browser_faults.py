@@ -20,7 +20,7 @@ import pytest
 from engine.events import TokenKind
 from engine.exact.decode import _Recorder
 from engine.stops import StopConditions
-from specconsole import hosts
+from specconsole import backends
 from specconsole.history import History
 from tests.big_history import big_history_copy
 from tests.conftest import CHROMIUM, db_rows, free_ports, set_run, skip_or_fail
@@ -443,7 +443,7 @@ class FullDisk:
         cli.add_engine_args(parser)
         self.db, self.port = db, free_ports(1)[0]
         self.history = History(db)
-        self.host = hosts.local_host(parser.parse_args(["--preset", "smollm2-ngram"])).start()
+        self.host = backends.local_host(parser.parse_args(["--preset", "smollm2-ngram"])).start()
         self.app = serve(self.host, self.history, "127.0.0.1", self.port, prevent_thread_lock=True)
 
     @property

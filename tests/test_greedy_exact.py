@@ -242,3 +242,8 @@ def test_stop_string_in_the_middle_of_a_step(tiny_pair, smol_tokenizer):
     assert b.finish_reason == s.finish_reason == "stop"
     assert s.output_ids == b.output_ids == free.output_ids[: t.index + 1]
     assert s.output_text.endswith(stop)
+    # the stop cut the last step after t's position: its drafts after that are ignored, the ones before accepted
+    last = s.steps[-1]
+    assert (last.accepted, last.emitted, last.ignored) == (t.position + 1, t.position + 1, 4 - t.position - 1)
+    assert s.metrics["ignored_drafts"] == 4 - t.position - 1
+    assert all(step.ignored == 0 for step in s.steps[:-1]) and free.metrics["ignored_drafts"] == 0

@@ -19,7 +19,7 @@ from engine import limits
 from engine.request import Request, build_request
 from engine.limits import SettingsError
 from engine.vllm.backend import VLLMBackend
-from specconsole import hosts
+from specconsole import backends
 from specconsole.history import History
 from specconsole.host import ModelHost
 from specconsole.suite_job import SuiteJob
@@ -268,7 +268,7 @@ def test_cli_suite_refuses_with_exit_code_2_before_loading(backend, tmp_path, mo
     import launch
 
     loaded = []
-    monkeypatch.setattr(hosts, "local_host", lambda args: ModelHost("tiny", lambda p: loaded.append(1) or backend))
+    monkeypatch.setattr(backends, "local_host", lambda args: ModelHost("tiny", lambda p: loaded.append(1) or backend))
     db = tmp_path / "h.db"
     argv = ["suite", "--category", "code", "--prompts", "1", "--max-new-tokens", "4", "--db", str(db), "--out",
             str(tmp_path / "runs.csv")] + CLI_CASES[case]
@@ -280,7 +280,7 @@ def test_cli_suite_refuses_with_exit_code_2_before_loading(backend, tmp_path, mo
 def test_cli_suite_refuses_a_prompt_too_long_for_the_context(backend, tmp_path, monkeypatch):
     import launch
 
-    monkeypatch.setattr(hosts, "local_host", lambda args: ModelHost("tiny", lambda p: backend))
+    monkeypatch.setattr(backends, "local_host", lambda args: ModelHost("tiny", lambda p: backend))
     suite_file = tmp_path / "mine.jsonl"
     suite_file.write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"prompt": TOO_LONG.prompt}) + "\n")
     db = tmp_path / "h.db"
@@ -302,7 +302,7 @@ def test_cli_demo_refuses_before_loading(backend, monkeypatch):
     import launch
 
     loaded = []
-    monkeypatch.setattr(hosts, "local_host", lambda args: ModelHost("tiny", lambda p: loaded.append(1) or backend))
+    monkeypatch.setattr(backends, "local_host", lambda args: ModelHost("tiny", lambda p: loaded.append(1) or backend))
     assert launch.main(["demo", "--prompt", "hi", "--max-new-tokens", "100000"]) == 2
     assert loaded == []
 

@@ -465,20 +465,23 @@ def test_steps_keep_their_drafter_and_an_older_history_gains_the_column(tmp_path
     history = History(path)
     run_id = history.start_run(method="hybrid")
     r = RunResult(engine="speculative", method="hybrid", prompt_tokens=1)
-    r.steps = [StepRecord(0, 0, 0, 1, 0.0, 1.0, 0.1), StepRecord(1, 3, 2, 3, 1.0, 2.0, 0.2, "ngram")]
+    r.steps = [StepRecord(0, 0, 0, 1, 0.0, 1.0, 0.1), StepRecord(1, 3, 2, 3, 1.0, 2.0, 0.2, "ngram", 1)]
     r.policy = [PolicyEvent(1, PolicyAction.FALLBACK, 0, "why", 0.2)]
     history.finish_run(run_id, "completed", {"speculative": r}, {})
     back = history.results(run_id)["speculative"]
     assert [s.drafter for s in back.steps] == ["", "ngram"]
+    assert [s.ignored for s in back.steps] == [None, 1]  # not known for the first (as from a server), 1 ignored
     assert back.policy[0].action is PolicyAction.FALLBACK
     assert list(history.db.execute("SELECT action FROM policy")) == [("fallback",)]  # the plain string, as before
     history.db.conn.close()
     conn = sqlite3.connect(path)  # a history saved before steps had a drafter
     conn.execute("ALTER TABLE steps DROP COLUMN drafter")
+    conn.execute("ALTER TABLE steps DROP COLUMN ignored")
     conn.commit()
     conn.close()
     history = History(path)
-    assert [s.drafter for s in history.results(run_id)["speculative"].steps] == ["", ""]
+    steps = history.results(run_id)["speculative"].steps
+    assert [s.drafter for s in steps] == ["", ""] and [s.ignored for s in steps] == [None, None]
 
 
 def test_run_ids_read_back_from_csv_as_text(tmp_path):

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from engine.exact import grouped_int8
-from engine.exact.grouped_int8 import GROUP, GroupedInt4Linear, GroupedInt8Linear, blocked, int4_where_gguf
-from engine.exact.optimize import convert_linears, finish, free_rows, prepare_draft
+from engine.exact.grouped_int8 import GROUP, GroupedInt4Linear, GroupedInt8Linear, blocked, int4_of_gguf
+from engine.exact.optimize import convert_linears, finish, free_rows, linear_converter, prepare_draft
 from tests.conftest import CPU, perturbed, skip_or_fail, tiny_llama
 from tests.test_int8_target import ROWS, VNNI, reference
 
@@ -86,16 +86,16 @@ def test_the_converter_keeps_the_files_codes_and_falls_back_to_int8(caplog):
     code = torch.randint(0, 16, (48, 64), dtype=torch.uint8)
     scale, low = torch.rand(48, 2) / 10, -torch.rand(48, 2)
     linear.weight.data = (code.float().reshape(48, 2, GROUP) * scale[..., None] + low[..., None]).reshape(48, 64)
-    linear.gguf_q4 = (code, scale, low)
-    layer = int4_where_gguf(linear)
+    layer = int4_of_gguf(linear, (code, scale, low))
     assert isinstance(layer, GroupedInt4Linear) and torch.equal(layer.dequantized(), linear.weight.data)
     assert torch.equal(layer.unblocked()[0], code)
-    linear.gguf_q4 = (code.flip(0), scale.flip(0), low.flip(0))  # rows reordered: not the weight any more
+    assert not hasattr(linear, "gguf_q4")  # nothing glued onto the Linear
+    reordered = (code.flip(0), scale.flip(0), low.flip(0))  # rows reordered: not the weight any more
     with caplog.at_level(logging.WARNING):
-        assert type(int4_where_gguf(linear)) is GroupedInt8Linear
+        assert type(int4_of_gguf(linear, reordered)) is GroupedInt8Linear
     assert "do not give back its weight" in caplog.text
-    del linear.gguf_q4
-    assert type(int4_where_gguf(linear)) is GroupedInt8Linear  # a float weight (a Q6_K tensor's): int8
+    # a float weight (a Q6_K tensor's) is not passed to int4_of_gguf: the int4 target's converter gives int8 codes
+    assert linear_converter("target", torch.device("cpu"), precision="int4") is GroupedInt8Linear
 
 
 def test_an_int4_targets_draft_steps_on_the_kernel_and_reads_prompts_in_int8():
@@ -175,7 +175,7 @@ def test_the_default_is_int4_where_its_kernel_runs_and_float32_where_it_cannot(t
     """launch.py's default, --precision auto: the int4 target here, where the kernel runs; on a machine without a
     compiler or ninja (here: a PATH without them), the float32 target, and the status line says why."""
     from specconsole.cli import parsers
-    from specconsole.hosts import local_host
+    from specconsole.backends import local_host
 
     model = tmp_path / "tiny"
     tiny_llama(len(smol_tokenizer), seed=3).save_pretrained(model)
@@ -199,7 +199,7 @@ def test_the_default_is_int4_where_its_kernel_runs_and_float32_where_it_cannot(t
         backend.close()
     assert "(float32: the int4 kernel cannot run here: it is compiled on first use and needs a C++" in host.label
     # the kernel's Linears, in this process, built as the engine process builds them
-    from specconsole.hosts import local_factory
+    from specconsole.backends import local_factory
 
     monkeypatch.undo()
     loaded = local_factory(args)(None)

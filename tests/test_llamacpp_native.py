@@ -90,7 +90,7 @@ def test_the_managed_engines_run_this_build_and_say_so(build, smol, tmp_path):
 
 
 def test_a_users_own_binary_is_run_and_named(build, smol, tmp_path):
-    from specconsole.hosts import llamacpp_host
+    from specconsole.backends import llamacpp_host
 
     args = Namespace(llamacpp_attach=None, llamacpp_api_key_env="X", preset="smollm2-ngram", target=None,
                      draft=None, llamacpp_method="ngram-simple", llamacpp_k=4, llamacpp_n_min=None,

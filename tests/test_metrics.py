@@ -1,5 +1,7 @@
 """Metrics recomputed by hand on a scripted run."""
 
+from dataclasses import replace
+
 import pytest
 
 from engine.events import PolicyEvent, RunResult, StepRecord, TokenEvent, TokenKind
@@ -59,6 +61,41 @@ def test_run_metrics_by_hand():
     assert m["draft_ms_per_token"] == pytest.approx(120 / 12)
     assert m["verify_ms_mean"] == pytest.approx(160.0)
     assert m["fallback_count"] == 1 and m["rejected_tokens"] == 7
+
+
+def test_histogram_ignored_drafts_and_the_time_split_by_hand():
+    """The scripted run's steps accepted 4, 1 and 0 of 4 drafts; its steps carry no ignored counts (a server), then
+    a planted stop that cut the last step after 2 of its drafts leaves the other 2 ignored."""
+    r = scripted_speculative()
+    m = run_metrics(r)
+    assert m["acceptance_histogram"] == [1, 1, 0, 0, 1]  # one step each accepted 0, 1 and 4
+    assert m["steps_accepting_nothing"] == pytest.approx(1 / 3)
+    assert m["ignored_drafts"] is None  # the steps do not say: unknown, not 0
+    # drafting 3 x 40 ms, passes 100 + 3 x 160 ms, in a run of 800 ms
+    assert (m["drafting_ms"], m["verifying_ms"], m["other_ms"]) == pytest.approx((120.0, 580.0, 100.0))
+    r.steps = [replace(s, ignored=0) for s in r.steps]
+    r.steps[-1] = replace(r.steps[-1], accepted=2, emitted=2, ignored=2)
+    m = run_metrics(r)
+    assert m["ignored_drafts"] == 2 and m["acceptance_histogram"] == [0, 1, 1, 0, 1]
+    assert m["steps_accepting_nothing"] == 0
+    # a server's steps carry no timings: the split is unknown, not all "other"
+    r.steps = [replace(s, draft_ms=0.0, verify_ms=0.0) for s in r.steps]
+    assert run_metrics(r)["drafting_ms"] is run_metrics(r)["other_ms"] is None
+    assert run_metrics(scripted_baseline())["acceptance_histogram"] == []
+
+
+def test_a_speculative_engine_that_drafts_nothing_says_so():
+    """Its first IDLE_CHECK_PASSES passes drafted nothing (speculation off): idle; with one draft among them, or
+    fewer passes known, or the baseline: not."""
+    from engine.metrics import IDLE_CHECK_PASSES, speculation_idle
+
+    idle = scripted_baseline(IDLE_CHECK_PASSES)
+    assert not speculation_idle(idle)  # the baseline drafts nothing by design
+    idle.engine = "speculative"
+    assert speculation_idle(idle)
+    assert not speculation_idle(replace(idle, steps=idle.steps[:-1]))  # too early to tell
+    idle.steps[3] = replace(idle.steps[3], drafted=2)
+    assert not speculation_idle(idle)
 
 
 def test_step_0_with_drafts():

@@ -1,7 +1,10 @@
 """The K policy and the fallback, on constructed step records."""
 
+import pytest
+
 from engine.events import PolicyAction, StepRecord
 from engine.exact.policy import Costs, DraftStop, PolicyConfig, SpecPolicy
+from engine.limits import SettingsError
 from engine.request import Request
 
 
@@ -28,13 +31,13 @@ def test_measures_a_plain_step_before_deciding():
 def test_step_0_is_no_cost_sample():
     """Step 0's pass reads the prompt: without drafts it is no plain step, with drafts no verify sample, and the
     fallback leaves it out."""
-    policy = SpecPolicy(PolicyConfig(k=4, dynamic=True, fallback=True, window=2))
+    policy = SpecPolicy(PolicyConfig(k=4, dynamic=True, fallback=True, fallback_window=2))
     policy.observe(StepRecord(0, 0, 0, 1, 0.0, 2000.0, 0.0))  # a long prompt's prefill
     assert policy.target_step_ms is None and policy.next_k() == 0
     policy.observe(plain_step())
     assert policy.target_step_ms == 100.0
 
-    policy = SpecPolicy(PolicyConfig(k=4, fallback=True, window=2), target_step_ms=100.0)
+    policy = SpecPolicy(PolicyConfig(k=4, fallback=True, fallback_window=2), target_step_ms=100.0)
     policy.observe(StepRecord(0, 4, 4, 5, 40.0, 2000.0, 0.0))  # 5 tokens, but after a 2 s prefill
     assert policy.verify_ms == {}
     decisions = policy.observe(spec_step(4, 4, verify_ms=110.0))  # 5 tokens in 150 ms: faster than plain steps
@@ -69,7 +72,7 @@ def test_k_follows_the_costs():
 
 
 def test_fallback_and_resume():
-    policy = SpecPolicy(PolicyConfig(k=4, fallback=True, window=3, cooldown=2), target_step_ms=100.0)
+    policy = SpecPolicy(PolicyConfig(k=4, fallback=True, fallback_window=3, cooldown=2), target_step_ms=100.0)
     decisions = []
     for _ in range(3):  # 1 token per 150 ms is worse than 1 per 100 ms
         decisions += policy.observe(spec_step(4, 0, draft_ms=10.0, verify_ms=110.0))
@@ -81,8 +84,32 @@ def test_fallback_and_resume():
     assert policy.next_k() == 4
 
 
+def test_each_fallback_in_a_row_rests_twice_as_long():
+    """Where speculation cannot pay, each new try costs fallback_window losing steps: the plain stretches between
+    tries double (2, 4, 8, capped at max_cooldown), and a try that pays starts them short again."""
+    policy = SpecPolicy(PolicyConfig(k=4, fallback=True, fallback_window=2, cooldown=2, max_cooldown=8),
+                        target_step_ms=100.0)
+    rests = []
+    for _ in range(5):
+        decisions = [d for _ in range(2) for d in policy.observe(spec_step(4, 0))]
+        assert [d.action for d in decisions] == [PolicyAction.FALLBACK]
+        plain = 0
+        while policy.next_k() == 0:
+            resumed = policy.observe(plain_step())
+            plain += 1
+        assert f"after {plain} plain steps" in resumed[0].reason
+        rests.append(plain)
+    assert rests == [2, 4, 8, 8, 8]
+    for _ in range(2):
+        assert policy.observe(spec_step(4, 4)) == []  # it pays now
+    decisions = [d for _ in range(2) for d in policy.observe(spec_step(4, 0))]
+    assert decisions[0].action == PolicyAction.FALLBACK and policy.plain_left == 2
+    with pytest.raises(SettingsError, match="fallback's window"):
+        PolicyConfig(window=4, fallback_window=5).validate()
+
+
 def test_no_fallback_when_speculation_pays():
-    policy = SpecPolicy(PolicyConfig(k=4, fallback=True, window=3), target_step_ms=100.0)
+    policy = SpecPolicy(PolicyConfig(k=4, fallback=True, fallback_window=3), target_step_ms=100.0)
     for _ in range(10):
         assert policy.observe(spec_step(4, 4)) == []
 

@@ -87,7 +87,7 @@ def test_load_makes_a_float16_target_and_counts_its_bytes(tmp_path, smol_tokeniz
 def test_the_command_line_option_reaches_the_target(tmp_path, smol_tokenizer):
     """launch.py --precision float16: the local engine's target runs HalfLinears (a tiny model as --target)."""
     from specconsole.cli import parsers
-    from specconsole.hosts import local_factory, local_host
+    from specconsole.backends import local_factory, local_host
 
     tiny_llama(len(smol_tokenizer), seed=3).save_pretrained(tmp_path)
     smol_tokenizer.save_pretrained(tmp_path)

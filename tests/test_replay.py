@@ -205,6 +205,10 @@ def test_replay_in_chromium_offline(real_run, browser, tmp_path):
     assert f"{row['acceptance_rate']:.2f}" in figures and f"{row['mean_accepted_length']:.2f}" in figures
     assert "identical to the baseline" in figures
     assert figures != figures_then
+    # the steps by drafts accepted: live at the middle (steps up to then), whole at the end, as the console's metric
+    histogram = results["speculative"].metrics["acceptance_histogram"]
+    assert " · ".join(f"{i}: {n}" for i, n in enumerate(histogram)) in figures
+    assert re.search(r"drafts accepted per step\s+0: \d+", figures_then)
     # the charts grew: a line per engine through every output token, a pair of bars per verified step
     spec_steps = sum(s.drafted > 0 for s in results["speculative"].steps)
     assert page.locator("#chart-steps rect").count() == 2 * spec_steps

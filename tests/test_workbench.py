@@ -9,7 +9,7 @@ import pytest
 
 from engine.request import Request
 from engine.analysis.stats import bootstrap_ci
-from specconsole import hosts
+from specconsole import backends
 from specconsole.advisor import ab_conclusion, advise
 from specconsole.history import History
 from specconsole.report import ab_chart, speedup_chart, write_csvs, write_html
@@ -67,6 +67,11 @@ def test_suite_saves_every_run_and_aggregates_match(backend, tmp_path):
     # two prompts: the 95 % interval spans both (engine/analysis/stats.py), and without repeats the noise is unmeasured
     assert (code_k3["speedup_low"], code_k3["speedup_high"]) == pytest.approx((min(stored), max(stored)))
     assert code_k3["identical"] == "2/2" and code_k3["noise_cv"] is None
+    # the category's steps by drafts accepted: its runs' histograms summed (K = 3: 0..3 accepted)
+    histograms = [json.loads(r["speculative_metrics"])["acceptance_histogram"] for r in rows
+                  if r["category"] == "code" and r["sweep_value"] == "3"]
+    assert code_k3["histogram"] == [a + b for a, b in zip(*histograms)] and len(code_k3["histogram"]) == 4
+    assert code_k3["steps_accepting_nothing"] == pytest.approx(code_k3["histogram"][0] / sum(code_k3["histogram"]))
 
     paths = write_csvs(runs, agg, tmp_path / "out" / f"suite_{suite.suite_id}.csv")
     assert len(pd.read_csv(paths[0])) == 6
@@ -326,7 +331,7 @@ def test_suite_cli_saves_the_method_the_server_ran(backend, tmp_path, monkeypatc
     import launch
     from specconsole.host import ModelHost
 
-    monkeypatch.setattr(hosts, "vllm_host", lambda args: ModelHost("fake vLLM", lambda p: ServerLike(backend)))
+    monkeypatch.setattr(backends, "vllm_host", lambda args: ModelHost("fake vLLM", lambda p: ServerLike(backend)))
     db = tmp_path / "h.db"
     assert launch.main(["suite", "--backend", "vllm", "--category", "code", "--prompts", "1", "--max-new-tokens", "4",
                         "--db", str(db), "--out", str(tmp_path / "runs.csv")]) == 0
@@ -491,3 +496,11 @@ def test_k_sweep_on_a_server_restarts_it_per_k_then_restores_it(backend, tmp_pat
     assert SuiteJob(server, None, ITEMS, build_request(""), variable="method").values == ["ngram"]
     with pytest.raises(ValueError, match="must be one of eagle, ngram"):
         SuiteJob(server, None, ITEMS, build_request(""), variable="method", values=["draft"]).check()
+
+
+def test_a_category_histogram_is_summed_and_unknown_where_a_run_could_not_place_its_steps():
+    from specconsole.workbench import _histogram
+
+    assert _histogram([[1, 2], [0, 1, 1]]) == {"histogram": [1, 3, 1], "steps_accepting_nothing": pytest.approx(0.2)}
+    assert _histogram([[1, 2], None]) == {"histogram": None, "steps_accepting_nothing": None}  # not 0: unknown
+    assert _histogram([[1, 2], float("nan")])["histogram"] is None  # a run saved before the histogram existed

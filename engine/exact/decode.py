@@ -70,8 +70,8 @@ class _Recorder:
         self.result.tokens.append(event)
         return event
 
-    def step(self, step, drafted, accepted, emitted, draft_ms, verify_ms, drafter="") -> StepRecord:
-        record = StepRecord(step, drafted, accepted, emitted, draft_ms, verify_ms, self.now(), drafter)
+    def step(self, step, drafted, accepted, emitted, draft_ms, verify_ms, drafter="", ignored=0) -> StepRecord:
+        record = StepRecord(step, drafted, accepted, emitted, draft_ms, verify_ms, self.now(), drafter, ignored)
         self.result.steps.append(record)
         return record
 
@@ -164,8 +164,11 @@ def generate_speculative(
                 run.result.prefill_ms = verify_ms
             verdict = _accept(draft, logits, params, g, cache, len(ids))
             emitted = yield from _commit(run, step, draft, verdict)
-            record = run.step(step, len(draft.ids), len(verdict.accepted), emitted, draft.ms, verify_ms,
-                              draft.drafter)
+            # a stop before the step's first rejection: its committed tokens are all accepted drafts, and the
+            # drafts after them are ignored (engine.exact.sampling)
+            ignored = len(draft.ids) - emitted if emitted <= verdict.refused_from else 0
+            accepted = emitted if ignored else len(verdict.accepted)
+            record = run.step(step, len(draft.ids), accepted, emitted, draft.ms, verify_ms, draft.drafter, ignored)
             yield record
             for event in policy.observe(record):
                 run.result.policy.append(event)

@@ -237,16 +237,15 @@ class GroupedInt4Linear(GroupedInt8Linear):
         return super().extra_repr() + ", 4-bit codes"
 
 
-def int4_where_gguf(linear: nn.Linear) -> GroupedInt8Linear:
-    """The int4 target's converter: a Linear whose weight came from a GGUF Q4_K or Q4_1 tensor (the loader leaves that
-    tensor's groups on it as `gguf_q4`) keeps the file's own 4-bit codes; any other (Q6_K, float) gets int8 codes.
-    The groups are used only if they give back the loaded weight bitwise (a loader that reorders rows would not)."""
-    groups = getattr(linear, "gguf_q4", None)
-    if groups is not None:
-        code, scale, low = groups
-        weight = linear.weight.detach()
-        values = code.float().reshape(*scale.shape, GROUP) * scale[..., None] + low[..., None]
-        if torch.equal(values.reshape(weight.shape), weight):
-            return GroupedInt4Linear(linear, groups)
-        log.warning("a 4-bit tensor's groups do not give back its weight (%s): int8 codes instead", tuple(weight.shape))
+def int4_of_gguf(linear: nn.Linear, groups: tuple[torch.Tensor, ...]) -> GroupedInt8Linear:
+    """The int4 target's converter for a Linear whose weight came from a GGUF Q4_K or Q4_1 tensor, given that tensor's
+    (codes, scales, lows) (engine.loading.gguf_load passes them): it keeps the file's own 4-bit codes; any other
+    Linear of the int4 target (Q6_K, float) is a GroupedInt8Linear. The groups are used only if they give back the
+    loaded weight bitwise (a loader that reorders rows would not); else int8 codes."""
+    code, scale, low = groups
+    weight = linear.weight.detach()
+    values = code.float().reshape(*scale.shape, GROUP) * scale[..., None] + low[..., None]
+    if torch.equal(values.reshape(weight.shape), weight):
+        return GroupedInt4Linear(linear, groups)
+    log.warning("a 4-bit tensor's groups do not give back its weight (%s): int8 codes instead", tuple(weight.shape))
     return GroupedInt8Linear(linear)

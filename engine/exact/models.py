@@ -11,6 +11,7 @@ import torch
 
 from engine.exact.optimize import (MIN_ROWS, finish, int4_draft_or_int8, linear_converter, prepare_draft,
                                    prepare_target)
+from engine.exact.grouped_int8 import int4_of_gguf
 from engine.exact.precision import HalfLinear, check_precision
 from engine.cache import cache_dir
 from engine.loading.weights import SOURCES, Progress, WeightsError, dequantize_gguf, dequantized_dir, gguf_model
@@ -136,7 +137,8 @@ def _load_gguf(spec: str, role: str, device: torch.device, int8: bool, min_rows:
         convert = linear_converter(role, device, min_rows, int8, precision)
         if role == "target" and precision in ("int8", "int4"):  # stored in its running form once, then mapped
             model = load_or_build(gguf, meta, lambda: load_gguf_model(
-                gguf, meta, convert, on_progress=on_progress, q4_groups=precision == "int4"), precision)
+                gguf, meta, convert, on_progress=on_progress,
+                four_bit=int4_of_gguf if precision == "int4" else None), precision)
         elif role == "draft" and int8 and device.type == "cpu" and precision in ("int8", "int4"):
             # beside a mapped target the draft's load is the start's longest; beside float32 the target's packing
             # is, and storing the draft did not shorten the start (docs/memory.md, 2026-12-03)

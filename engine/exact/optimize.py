@@ -31,7 +31,7 @@ from torch import nn
 
 from engine.exact import tree
 from engine.exact.forward import PassLayout
-from engine.exact.grouped_int8 import GROUP, GroupedInt4Linear, GroupedInt8Linear, int4_where_gguf, unavailable
+from engine.exact.grouped_int8 import GROUP, GroupedInt4Linear, GroupedInt8Linear, unavailable
 from engine.exact.precision import HalfLinear, check_precision, pad_rows
 
 log = logging.getLogger(__name__)
@@ -217,10 +217,8 @@ def linear_converter(role: str, device: torch.device, min_rows: int = MIN_ROWS, 
         check_precision(precision, device)
         if precision == "float16":
             return HalfLinear
-        if precision == "int8":
+        if precision in ("int8", "int4"):  # int4: engine.loading passes a 4-bit GGUF tensor's Linears to int4_of_gguf
             return GroupedInt8Linear
-        if precision == "int4":
-            return int4_where_gguf
     if role == "target" and cpu and torch.backends.mkldnn.is_available():
         return lambda linear: PackedLinear(linear, min_rows)
     if role == "draft" and int8 and cpu:

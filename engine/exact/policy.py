@@ -14,8 +14,10 @@ the draft's own state and at measured costs, so the rejection sampler stays exac
 m tokens, is measured per m, not assumed linear; an m not seen yet is extrapolated from the longest shorter pass.
 
 Fallback: when the last few speculative steps deliver fewer tokens per second than plain decoding, speculation is off
-for `cooldown` plain steps. Draft-length cap: the next draft is limited to twice the furthest any of the last few
-drafts got before its first rejection (SpecPolicy.draft_cap). Every decision is returned as a PolicyEvent.
+for `cooldown` plain steps, twice as many after each fallback in a row (a prompt where speculation cannot pay, such as
+prose with a draft that costs 0.4 target steps a token, then spends ever less of its run finding that out again).
+Draft-length cap: the next draft is limited to twice the furthest any of the last few drafts got before its first
+rejection (SpecPolicy.draft_cap). Every decision is returned as a PolicyEvent.
 
 Costs: with a calibration (engine.exact.calibration: the passes' costs measured once per machine and model, and
 stored), every decision reads those costs and nothing timed during the run, so the same request drafts the same
@@ -52,8 +54,10 @@ class PolicyConfig:
     k_max: int = DYNAMIC_K_MAX
     per_token: bool = True  # with dynamic K, a draft model stops by DraftStop; K is then k_max, the ceiling
     fallback: bool = False
-    window: int = 8  # speculative steps that the acceptance estimate and the fallback look at
-    cooldown: int = 16  # plain steps before speculation is tried again
+    window: int = 8  # speculative steps that the acceptance estimate looks at
+    fallback_window: int = 4  # speculative steps the fallback judges speculation by (at most `window`)
+    cooldown: int = 16  # plain steps before speculation is tried again; doubled after each fallback in a row
+    max_cooldown: int = 256
     cap_steps: int = 4  # dynamic K: the draft-length cap looks this many speculative steps back (0: no cap)
     verify_curve: bool = True  # DraftStop reads verify(m) measured per m (False: linear in m)
 
@@ -69,6 +73,8 @@ class PolicyConfig:
             raise SettingsError(f"K bounds need 1 <= k_min <= k_max <= {MAX_K}, got {self.k_min}..{self.k_max}")
         if not self.k_min <= self.k <= self.k_max:
             raise SettingsError(f"K must be between {self.k_min} and {self.k_max}, got {self.k}")
+        if not 1 <= self.fallback_window <= self.window:
+            raise SettingsError(f"the fallback's window needs 1 <= steps <= {self.window}, got {self.fallback_window}")
         if self.cap_steps < 0:
             raise SettingsError(f"the draft-length cap needs cap_steps >= 0 (0 = off), got {self.cap_steps}")
 
@@ -103,6 +109,8 @@ class SpecPolicy:
         self.verify_ms = dict(costs.verify_ms) if costs else {} if verify_ms is None else verify_ms
         self.recent: deque[StepRecord] = deque(maxlen=config.window)  # the last speculative steps
         self.plain_left = 0  # plain steps left before speculation resumes
+        self.cooldown = config.cooldown  # the next fallback's plain steps: doubled by each fallback in a row
+        self.rested = 0  # the last fallback's plain steps
         self.seen_first = False
 
     def next_k(self) -> int:
@@ -195,7 +203,7 @@ class SpecPolicy:
         if self.plain_left:
             self.plain_left -= 1
             if self.plain_left == 0:
-                why = f"trying speculation again after {self.config.cooldown} plain steps"
+                why = f"trying speculation again after {self.rested} plain steps"
                 return [_event(step, PolicyAction.RESUME, self.current_k, why)]
         return []
 
@@ -217,19 +225,22 @@ class SpecPolicy:
         return [_event(step, PolicyAction.K_CHANGE, best, f"K {old} -> {best}: {why}")]
 
     def _check_fallback(self, step: StepRecord) -> list[PolicyEvent]:
-        if len(self.recent) < self.config.window:
+        n = self.config.fallback_window
+        if len(self.recent) < n:
             return []
-        steps = [s for s in self.recent if s.step > 0]  # step 0's passes also read the prompt
+        steps = [s for s in list(self.recent)[-n:] if s.step > 0]  # step 0's passes also read the prompt
         tokens = sum(s.emitted for s in steps)
         ms = sum(self.step_ms(s) for s in steps)
         spec_rate, plain_rate = 1000 * tokens / ms, 1000 / self.target_step_ms
         if spec_rate >= plain_rate:
+            self.cooldown = self.config.cooldown  # it paid: a later fallback starts short again
             return []
-        self.plain_left = self.config.cooldown
+        self.plain_left = self.rested = self.cooldown
+        self.cooldown = min(2 * self.cooldown, self.config.max_cooldown)
         self.recent.clear()
         reason = (
-            f"speculation gave {spec_rate:.1f} tok/s over the last {self.config.window} steps, "
-            f"plain decoding {plain_rate:.1f} tok/s"
+            f"speculation gave {spec_rate:.1f} tok/s over the last {n} steps, plain decoding {plain_rate:.1f} tok/s: "
+            f"{self.plain_left} plain steps"
         )
         return [_event(step, PolicyAction.FALLBACK, 0, reason)]
 

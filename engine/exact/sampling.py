@@ -10,6 +10,9 @@ In one speculation step the proposer drafts K tokens and the target scores them 
     bonus token       the target's own token after the accepted ones when none was refused (all K drafts, or a
                       tree's alternative, accepted).
     output tokens     the accepted tokens, then the recovered or bonus token: a step commits between 1 and K+1.
+    ignored drafts    drafts whose position the output never reached, because a stop (a stop string, EOS, the
+                      token limit) ended the run earlier in the step: neither accepted nor rejected, though they
+                      were drafted and verified. Every draft is accepted, rejected or ignored.
 
 Verification decides them, from the target's distribution p and the draft's q (each [V] per position):
 

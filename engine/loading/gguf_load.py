@@ -28,6 +28,8 @@ from engine.loading.gguf_dequant import dequantize, four_bit_groups
 log = logging.getLogger(__name__)
 
 Convert = Callable[[nn.Linear], nn.Module]  # a complete float32 Linear -> what the model runs (packed, int8, itself)
+# the same, for a Linear whose weight is a 4-bit GGUF tensor, with that tensor's (codes, scales, lows)
+FourBitConvert = Callable[[nn.Linear, tuple[torch.Tensor, ...]], nn.Module]
 
 
 class GGUFEmbedding(nn.Module):
@@ -93,11 +95,11 @@ def _complete(module: nn.Module) -> bool:
 
 def load_gguf_model(
     gguf: Path, meta_dir: Path, convert: Convert, embed_quantized: bool = True,
-    on_progress: Callable[[str, float, float], None] | None = None, q4_groups: bool = False,
+    on_progress: Callable[[str, float, float], None] | None = None, four_bit: FourBitConvert | None = None,
 ) -> nn.Module:
     """A transformers causal LM (config from `meta_dir`) with its weights from `gguf`, Linears passed to `convert`.
-    `q4_groups`: a Linear whose weight is a 4-bit tensor (Q4_K, Q4_1) also carries that tensor's own codes, scales and
-    lows as `gguf_q4` (gguf_dequant.four_bit_groups; None for other types), for the int4 target's converter."""
+    `four_bit`: where given, a Linear whose weight is a 4-bit tensor (Q4_K, Q4_1) is passed to it instead, with that
+    tensor's own codes, scales and lows (gguf_dequant.four_bit_groups), for the int4 target's converter."""
     from gguf import GGMLQuantizationType
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
@@ -112,13 +114,16 @@ def load_gguf_model(
     head_name = next((n for n, m in linears.items() if m is model.get_output_embeddings()), None)
     file = np.memmap(gguf, dtype=np.uint8, mode="r")
 
+    groups: dict[str, tuple[torch.Tensor, ...]] = {}  # a Linear's 4-bit groups, for four_bit
+
     def finish_linear(name: str, weight: torch.Tensor | None = None) -> None:
         linear = linears.pop(name)
         if weight is not None:
             linear.weight = nn.Parameter(weight, requires_grad=False)
         if _complete(linear):
             parent, attr = _parent(model, name)
-            setattr(parent, attr, convert(linear))
+            own = groups.pop(name, None)
+            setattr(parent, attr, convert(linear) if own is None else four_bit(linear, own))
         else:
             linears[name] = linear
 
@@ -169,8 +174,8 @@ def load_gguf_model(
             if tied and head_name in linears:  # the tied head is the one float32 copy of the matrix
                 finish_linear(head_name, dequantized(entry))
         elif module_name in linears:
-            if q4_groups and attr == "weight":
-                linears[module_name].gguf_q4 = groups_of(entry)
+            if four_bit is not None and attr == "weight" and (own := groups_of(entry)) is not None:
+                groups[module_name] = own
             setattr(linears[module_name], attr, nn.Parameter(dequantized(entry), requires_grad=False))
             finish_linear(module_name)
         else:
