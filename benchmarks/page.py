@@ -8,7 +8,8 @@
 
 Options this script does not know (--llamacpp-method, --llamacpp-threads, --target, ...) go to launch.py, so that
 both phases build the same backend the same way (specconsole.backends.backend_host). Managed vLLM servers: each phase
-starts its own pair on free ports (four servers, two at a time idle), so that both run them as the console does, one core each.
+starts its own pair on free ports (four servers, two at a time idle), so that both run them as the console does, one
+core each.
 
 The backend is built twice, the same way: for this process (the API: specconsole.runner.Comparison, fair mode, no
 page, as `launch.py demo` drives it) and for the console (launch.py on a free loopback port, a fresh history file),

@@ -7,8 +7,9 @@
                                                       against the same baseline and HF runs of the same repeat
 
 All four runs of a prompt use the same two model objects with the same optimisations (the console's target: int4
-where its kernel runs, else prepacked float32; --precision picks another; the draft as the console runs it), greedy decoding (whatever temperature a suite gives), the chat
-template (with a multi-turn prompt's earlier turns) and the same token budget. Within one repeat a prompt runs on
+where its kernel runs, else prepacked float32; --precision picks another; the draft as the console runs it), greedy
+decoding (whatever temperature a suite gives), the chat template (with a multi-turn prompt's earlier turns) and the
+same token budget. Within one repeat a prompt runs on
 all four back to back, in the reverse order on odd repeats so that a drift in the machine's speed favours none of
 them; repeats are full passes over the prompts. Per prompt, each figure is the median over repeats of the figure
 measured within one repeat (speedup, ours/HF are within-repeat ratios); per category, per suite and overall, the

@@ -69,14 +69,14 @@ class Capabilities:
 class Drafting:
     """How a server's speculative engine drafts: what Backend.drafting() reports and reconfigure() restarts it with.
     `method` is one of Capabilities.methods, `k` the drafts per step (None: the server's default), `draft` a draft
-    model's path for the methods that load one (None: the one the backend was started with), `options` the backend's own further settings as
-    (name, value) pairs (vLLM's prompt_lookup_min, llama.cpp's n_min), kept by a sweep that restores them."""
+    model's path for the methods that load one (None: the one the backend was started with), `options` the backend's
+    own further settings as (name, value) pairs (vLLM's prompt_lookup_min, llama.cpp's n_min), kept by a sweep that
+    restores them."""
 
     method: str
     k: int | None
     draft: str | None = None
     options: tuple[tuple[str, object], ...] = ()
-
 
 
 @runtime_checkable
