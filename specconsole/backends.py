@@ -77,8 +77,8 @@ def llamacpp_host(args) -> ModelHost:
     from engine.backend import MAX_EXTRA
     from engine.serving.http_safety import redact
     from engine.llamacpp.backend import LlamaCppBackend
-    from engine.llamacpp.server import (DRAFT_MODEL_METHODS, EngineConfig, LlamaCppError, binary_version, check_build,
-                                        choose_build, parse_method)
+    from engine.llamacpp.server import (DRAFT_MODEL_METHODS, EngineConfig, LlamaCppError, check_build, choose_build,
+                                        parse_method)
     from engine.loading.weights import SOURCES, gguf_model
 
     if args.llamacpp_attach:
@@ -108,14 +108,15 @@ def llamacpp_host(args) -> ModelHost:
         if spec not in SOURCES and not spec.endswith(".gguf"):
             raise SystemExit(f"llama.cpp loads GGUF files: {spec!r} is neither a known model nor a .gguf file")
 
+    own = None  # a binary of the user's own: checked (and its version read) now, before anything loads
     if args.llamacpp_server not in ("auto", "wheel"):
         try:
-            binary_version(args.llamacpp_server)
+            own = choose_build(args.llamacpp_server)
         except LlamaCppError as e:
             raise SystemExit(str(e)) from e
 
     def factory(progress):
-        build = choose_build(args.llamacpp_server, on_progress=progress)
+        build = own or choose_build(args.llamacpp_server, on_progress=progress)
         host.label = f"{title}; {build.description}"
         target = str(gguf_model(preset.target, on_progress=progress)[0])
         draft = str(gguf_model(preset.draft, on_progress=progress)[0]) if preset.draft else None

@@ -102,7 +102,7 @@ def default_values(backend, variable: str) -> list[str]:
 def served_drafting(backend, variable: str, value: str) -> Drafting:
     """What backend.reconfigure() takes to serve one value of a method or K sweep: the served drafting with that
     method (and the served K) or that K."""
-    served = backend.drafting() or Drafting(backend.describe().get("method", ""), None)
+    served = backend.drafting()  # a backend that can restart its server knows what it serves
     if variable == "method":
         return Drafting(value, served.k, served.draft)
     return replace(served, k=int(value))

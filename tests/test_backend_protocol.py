@@ -4,13 +4,14 @@ import inspect
 
 import pytest
 
-from engine.backend import Backend, Capabilities
+from engine.backend import Backend, Capabilities, Drafting
 from engine.llamacpp.backend import LlamaCppBackend
 from engine.exact.backend import LocalBackend
 from engine.request import Request
 from engine.limits import SettingsError
 from engine.vllm.backend import VLLMBackend
 from engine.vllm.config import METHODS as VLLM_METHODS
+from engine.vllm.server import VLLMError
 
 MEMBERS = [name for name, value in vars(Backend).items() if inspect.isfunction(value) and not name.startswith("_")]
 
@@ -47,6 +48,8 @@ def test_vllm_backend_says_which_settings_it_ignores():
                                                  fair_strategy="sequential", fixed_variants=True,
                                                  methods=VLLM_METHODS, sweep_methods=("ngram",))
     assert attached.drafting() is None  # attached without its config
+    with pytest.raises(VLLMError, match="only vllm servers the console started can be reconfigured"):
+        attached.reconfigure(Drafting("ngram", 2))  # nothing was stopped: there is nothing of ours to restart
     assert attached.variants() == {}  # two servers: no extra speculative engines
     assert set(attached.ignored_settings(Request(prompt="x"))) == {"method", "k", "dynamic_k", "fallback",
                                                                     "draft_confidence", "draft_vocab"}
@@ -56,7 +59,6 @@ def test_vllm_backend_says_which_settings_it_ignores():
 def test_vllm_backend_serves_its_extra_servers_as_variants():
     """Each extra speculative server is an N-way engine named after its config; an unknown engine is refused."""
     from engine.vllm.config import speculative_config
-    from engine.vllm.server import VLLMError
     backend = VLLMBackend("http://127.0.0.1:9", "http://127.0.0.1:9", "m", speculative=speculative_config("ngram", 4),
                           extra=[("http://127.0.0.1:9", speculative_config("ngram", 2)), ("http://127.0.0.1:9", None)])
     assert backend.variants() == {"speculative-2": {"label": "vLLM ngram K=2", "method": "ngram"},

@@ -89,8 +89,13 @@ def test_the_managed_engines_run_this_build_and_say_so(build, smol, tmp_path):
     assert not any(e.alive() for e in backend.servers)
 
 
-def test_a_users_own_binary_is_run_and_named(build, smol, tmp_path):
+def test_a_users_own_binary_is_run_and_named(build, smol, tmp_path, monkeypatch):
+    from engine.llamacpp import server
     from specconsole.backends import llamacpp_host
+
+    asked = []  # its --version is read once, when the options are checked, not again when the engines start
+    monkeypatch.setattr(server, "binary_version", lambda binary, read=server.binary_version: asked.append(binary)
+                        or read(binary))
 
     args = Namespace(llamacpp_attach=None, llamacpp_api_key_env="X", preset="smollm2-ngram", target=None,
                      draft=None, llamacpp_method="ngram-simple", llamacpp_k=4, llamacpp_n_min=None,
@@ -103,6 +108,7 @@ def test_a_users_own_binary_is_run_and_named(build, smol, tmp_path):
         assert list(backend.baseline(Request(prompt="Hi", max_new_tokens=3)))[-1].error is None
     finally:
         backend.close()
+    assert asked == [build.binary]
     with pytest.raises(SystemExit, match="not a llama-server"):
         llamacpp_host(Namespace(**{**vars(args), "llamacpp_server": "/bin/true"}))
     with pytest.raises(SystemExit, match="cannot run it"):

@@ -169,15 +169,13 @@ class LlamaCppBackend(ServerBackend):
         """Restart the managed speculative engine with other drafting (a method of METHODS, K, the draft GGUF for
         the draft methods, and EngineConfig's n_min, p_min and ngram_n as options). If the new one fails to start,
         the old one runs again and the error is raised."""
-        if not self.capabilities.can_reconfigure:
-            raise LlamaCppError("only engines the console started can be reconfigured; restart yours by hand")
+        old = self.managed_speculative()
         if drafting.method not in METHODS:
             raise LlamaCppError(f"unknown llama.cpp method {drafting.method!r}; methods: {', '.join(METHODS)}")
         options = dict(drafting.options)
         unknown = set(options) - set(DRAFTING_OPTIONS)
         if unknown:
             raise LlamaCppError(f"unknown llama.cpp drafting settings: {', '.join(sorted(unknown))}")
-        old = self.servers[1]
         draft = None  # n-gram drafting loads no draft model
         if drafting.method in DRAFT_MODEL_METHODS:
             draft = drafting.draft or old.config.draft or self.draft_path

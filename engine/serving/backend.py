@@ -73,23 +73,28 @@ class ServerBackend:
             raise
         return self
 
+    def managed_speculative(self) -> Server:
+        """The speculative server the console started (servers[1]); `error` where the servers were attached."""
+        if len(self.servers) < 2:
+            raise self.error(f"only {self.name} servers the console started can be reconfigured; restart yours by "
+                             "hand")
+        return self.servers[1]
+
     def restart_speculative(self, new: Server, old_again: Callable[[], Server],
                             started: Callable[[], None] = lambda: None) -> None:
-        """Replace the managed speculative server (servers[1]) with `new`, then call `started` (a warm-up). If `new`
-        does not start, a fresh copy of the old one (`old_again()`) runs again and the error is raised."""
-        if len(self.servers) < 2:
-            raise self.error("only servers the console started can be reconfigured; restart yours by hand")
-        self.servers[1].stop()
+        """Replace the managed speculative server with `new`, then call `started` (a warm-up). If `new` does not
+        start, a fresh copy of the old one (`old_again()`) runs again and the error is raised."""
+        self.managed_speculative().stop()
         try:
             new.start()
         except ServerError as e:
-            self._run_speculative(old_again(), started)  # if the old settings fail too, that error is the one to see
+            old = old_again()
+            old.start()  # if the old settings fail too, that error is the one to see
+            self._serve_speculative(old, started)
             raise self.error(f"the new drafting settings failed; the previous ones are running again. {e}") from e
-        self._run_speculative(new, started, already=True)
+        self._serve_speculative(new, started)
 
-    def _run_speculative(self, server: Server, started: Callable[[], None], already: bool = False) -> None:
-        if not already:
-            server.start()
+    def _serve_speculative(self, server: Server, started: Callable[[], None]) -> None:
         self.servers[1], self.urls["speculative"] = server, server.url
         started()
 

@@ -179,9 +179,7 @@ class VLLMBackend(ServerBackend):
     def reconfigure(self, drafting: Drafting) -> None:
         """Restart the managed speculative server with another --speculative-config (the page's settings). If the
         new one fails to start, the old one is started again and the error, with the log's tail, is raised."""
-        if not self.capabilities.can_reconfigure:
-            raise VLLMError("only servers the console started can be reconfigured; restart yours by hand")
-        old = self.servers[1]
+        old = self.managed_speculative()
         speculative = config_of(drafting, self.speculative_config.get("model"))
 
         def server(config: dict) -> VLLMServer:
