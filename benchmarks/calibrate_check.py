@@ -49,7 +49,7 @@ def collect(args) -> list[dict]:
                 scores = backend.score(req, [b.output_ids, s.output_ids])
                 pairs.append({"category": category, "temperature": temperature, "seed": seed,
                               "max_new_tokens": max_new_tokens,
-                              "drafted": s.metrics["drafted"], "accepted": s.metrics["accepted"],
+                              "drafted": s.metrics.drafted, "accepted": s.metrics.accepted,
                               "copied": copy_fraction(item.prompt, b.output_text),
                               "baseline": scores[0], "speculative": scores[1]})
                 log.info("%s T=%.1f seed %d: %d pairs", category, temperature, seed, len(pairs))

@@ -178,7 +178,7 @@ def main(argv=None) -> int:
             for form in forms if (r + i) % 2 == 0 else forms[::-1]:
                 s = run_engine(backends[form], "speculative", req)
                 outputs[form] = s.output_ids
-                rows[form][i].append({"tps": s.metrics["tokens_per_s"], "acceptance": s.metrics["acceptance_rate"],
+                rows[form][i].append({"tps": s.metrics.tokens_per_s, "acceptance": s.metrics.acceptance_rate,
                                       "per_pass": len(s.output_ids) / max(1, len(s.steps))})
             if len(set(map(tuple, outputs.values()))) > 1:
                 differ.add(i)

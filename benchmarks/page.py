@@ -297,8 +297,8 @@ def api_session(args):
             r = comp.results
             steps = {e: [(s.step, s.drafted, s.emitted, s.draft_ms, s.verify_ms) for s in r[e].steps]
                      for e in ("baseline", "speculative")}
-            return {"baseline_tps": r["baseline"].metrics["tokens_per_s"],
-                    "speculative_tps": r["speculative"].metrics["tokens_per_s"], "noisy": comp.machine.get("noisy"),
+            return {"baseline_tps": r["baseline"].metrics.tokens_per_s,
+                    "speculative_tps": r["speculative"].metrics.tokens_per_s, "noisy": comp.machine.get("noisy"),
                     **_disturbance(comp.machine), **_pass_costs(steps),
                     **_time_split({e: r[e].metrics for e in steps}, steps)}
 

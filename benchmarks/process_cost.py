@@ -38,7 +38,7 @@ def one_run(backend, engine: str, req) -> dict:
     passes, tokens = len(result.steps), len(result.output_ids)
     outside_ms = 1000 * (wall - result.total_s)
     return {"per_pass_ms": outside_ms / passes, "per_token_ms": outside_ms / tokens, "share": outside_ms / 1000 / wall,
-            "tokens_per_s": result.metrics["tokens_per_s"]}
+            "tokens_per_s": result.metrics.tokens_per_s}
 
 
 def main(argv=None) -> int:

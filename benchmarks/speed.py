@@ -119,8 +119,8 @@ def variant_row(b: RunResult, s: RunResult, hf_speedup: float) -> dict:
     """A speculative configuration's figures against the baseline (and HF assisted) of the same repeat."""
     c = compare(b, s, greedy=True)
     return {"speedup": c["speedup"], "ours_vs_hf": c["speedup"] / hf_speedup, "identical": c["identical"],
-            "acceptance": s.metrics["acceptance_rate"] or 0.0,
-            "draft_ms_per_token": s.metrics["draft_ms_per_token"] or NAN}
+            "acceptance": s.metrics.acceptance_rate or 0.0,
+            "draft_ms_per_token": s.metrics.draft_ms_per_token or NAN}
 
 
 def bench_prompt(backend, req: Request, counter: PassCounter, order: list[str], variants: dict | None = None) -> dict:
@@ -136,15 +136,15 @@ def bench_prompt(backend, req: Request, counter: PassCounter, order: list[str], 
     b, s = runs["baseline"], runs["speculative"]
     c = compare(b, s, greedy=True)
     row = {
-        "baseline_tps": b.metrics["tokens_per_s"],
-        "spec_tps": s.metrics["tokens_per_s"],
+        "baseline_tps": b.metrics.tokens_per_s,
+        "spec_tps": s.metrics.tokens_per_s,
         "speedup": c["speedup"],
-        "acceptance": s.metrics["acceptance_rate"] or 0.0,
-        "mean_accepted_length": s.metrics["mean_accepted_length"] or 1.0,
+        "acceptance": s.metrics.acceptance_rate or 0.0,
+        "mean_accepted_length": s.metrics.mean_accepted_length or 1.0,
         "bound": c.get("machine_bound", NAN),
         "efficiency": c.get("efficiency", NAN),
         "identical": c["identical"],
-        "our_target_passes": s.metrics["target_passes"],
+        "our_target_passes": s.metrics.target_passes,
         "tokens": len(b.output_ids),
         "hf_speedup": NAN, "ours_vs_hf": NAN, "hf_identical": None, "hf_target_passes": None,  # no draft: n/a
     }

@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     rows: dict[float, list[dict]] = {ms: [] for ms in gaps}
     for i in range(args.runs):
         for ms in list(gaps) if i % 2 == 0 else list(gaps)[::-1]:
-            tps = {e: r.metrics["tokens_per_s"] for e, r in run(backend, req, extra, gaps[ms]).items()}
+            tps = {e: r.metrics.tokens_per_s for e, r in run(backend, req, extra, gaps[ms]).items()}
             rows[ms].append(tps | {"speedup": tps["speculative"] / tps["baseline"]})
             log.info("run %d, gap %g ms: %s", i + 1, ms, {k: round(v, 2) for k, v in rows[ms][-1].items()})
 

@@ -109,7 +109,8 @@ class Backend(Protocol):
         """Log-probability of each output token under the target (temperature 1), for the sampling check."""
 
     def describe(self) -> dict:
-        """backend, target_model, draft_model and method: saved with every run."""
+        """backend, target_model, draft_model and method, saved with every run; a backend that serves its own
+        speculative engines (Capabilities.fixed_variants) adds label: what the page calls the main one."""
 
     def memory(self) -> dict | None:
         """target_gb, draft_gb, needed_gb, available_gb where the backend knows them (else None)."""

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
+from engine.run_metrics import RunMetrics
+
 
 class TokenKind(str, Enum):
     BASELINE = "baseline"
@@ -116,7 +118,7 @@ class RunResult:
     error: str | None = None
     prefill_ms: float = 0.0
     total_s: float = 0.0
-    metrics: dict = field(default_factory=dict)
+    metrics: RunMetrics = field(default_factory=RunMetrics)
 
     @property
     def output_tokens(self) -> list[TokenEvent]:

@@ -11,12 +11,7 @@ from __future__ import annotations
 from statistics import mean
 
 from engine.events import PolicyAction, RunResult, TokenKind
-
-# figures that need to know which target pass produced which token, where a server cannot say; None prints "unknown"
-UNKNOWN_STEP_FIGURES = {"target_passes": None, "passes_saved": None, "steps": None, "drafted": None,
-                        "accepted": None, "acceptance_rate": None, "mean_accepted_length": None, "mean_k": None,
-                        "per_position_acceptance": [], "acceptance_histogram": None,
-                        "steps_accepting_nothing": None, "ignored_drafts": None}
+from engine.run_metrics import RunMetrics
 
 
 def expected_tokens_per_pass(a: float, k: float) -> float:
@@ -38,7 +33,7 @@ def acceptance_alpha(steps) -> float:
     return (accepted + 1) / (accepted + rejections + 2)
 
 
-def run_metrics(r: RunResult) -> dict:
+def run_metrics(r: RunResult) -> RunMetrics:
     out = r.output_tokens
     n = len(out)
     spec = [s for s in r.steps if s.drafted > 0]
@@ -48,41 +43,40 @@ def run_metrics(r: RunResult) -> dict:
     drafted = sum(s.drafted for s in spec)
     accepted = sum(s.accepted for s in spec)
     max_k = max((s.drafted for s in spec), default=0)
-    m = {
-        "output_tokens": n,
-        "target_passes": len(r.steps),
-        "baseline_passes": n,  # plain decoding needs one target pass per token
-        "passes_saved": n - len(r.steps),
-        "steps": len(spec),
-        "drafted": drafted,
-        "accepted": accepted,
-        "acceptance_rate": accepted / drafted if drafted else None,
-        "per_position_acceptance": [
+    return RunMetrics(
+        output_tokens=n,
+        target_passes=len(r.steps),
+        baseline_passes=n,  # plain decoding needs one target pass per token
+        passes_saved=n - len(r.steps),
+        steps=len(spec),
+        drafted=drafted,
+        accepted=accepted,
+        acceptance_rate=accepted / drafted if drafted else None,
+        per_position_acceptance=[
             sum(s.accepted > i for s in spec) / sum(s.drafted > i for s in spec) for i in range(max_k)
         ],
-        "mean_accepted_length": 1 + accepted / len(spec) if spec else None,
-        "mean_k": drafted / len(spec) if spec else None,
-        "ttft_ms": 1000 * out[0].time_s if out else None,
-        "tpot_ms": 1000 * (out[-1].time_s - out[0].time_s) / (n - 1) if n > 1 else None,
-        "tokens_per_s": n / r.total_s if r.total_s > 0 else None,
-        "decode_tokens_per_s": _decode_rate(r),
-        "prefill_ms": r.prefill_ms,
-        "draft_ms_total": sum(s.draft_ms for s in spec),
-        "verify_ms_total": sum(s.verify_ms for s in spec_decode),
-        "draft_ms_per_token": _per_token(spec_decode),
-        "verify_ms_mean": mean(s.verify_ms for s in spec_decode) if spec_decode else None,
-        "plain_step_ms": mean(s.verify_ms for s in plain) if plain else None,
-        "fallback_count": sum(e.action == PolicyAction.FALLBACK for e in r.policy),
-        "rejected_tokens": sum(t.kind == TokenKind.REJECTED for t in r.tokens),
-        "tree_accepted": _tree_accepted(r.tokens),
-        "ignored_drafts": None if any(s.ignored is None for s in spec) else sum(s.ignored for s in spec),
+        mean_accepted_length=1 + accepted / len(spec) if spec else None,
+        mean_k=drafted / len(spec) if spec else None,
+        ttft_ms=1000 * out[0].time_s if out else None,
+        tpot_ms=1000 * (out[-1].time_s - out[0].time_s) / (n - 1) if n > 1 else None,
+        tokens_per_s=n / r.total_s if r.total_s > 0 else None,
+        decode_tokens_per_s=_decode_rate(r),
+        prefill_ms=r.prefill_ms,
+        draft_ms_total=sum(s.draft_ms for s in spec),
+        verify_ms_total=sum(s.verify_ms for s in spec_decode),
+        draft_ms_per_token=_per_token(spec_decode),
+        verify_ms_mean=mean(s.verify_ms for s in spec_decode) if spec_decode else None,
+        plain_step_ms=mean(s.verify_ms for s in plain) if plain else None,
+        fallback_count=sum(e.action == PolicyAction.FALLBACK for e in r.policy),
+        rejected_tokens=sum(t.kind == TokenKind.REJECTED for t in r.tokens),
+        tree_accepted=_tree_accepted(r.tokens),
+        ignored_drafts=None if any(s.ignored is None for s in spec) else sum(s.ignored for s in spec),
         # how many steps accepted 0, 1, ... drafts; a step that accepted none bought one token for a target pass
         # and a draft's cost
-        "acceptance_histogram": [sum(s.accepted == i for s in spec) for i in range(max_k + 1)] if spec else [],
-        "steps_accepting_nothing": sum(s.accepted == 0 for s in spec) / len(spec) if spec else None,
+        acceptance_histogram=[sum(s.accepted == i for s in spec) for i in range(max_k + 1)] if spec else [],
+        steps_accepting_nothing=sum(s.accepted == 0 for s in spec) / len(spec) if spec else None,
         **time_split(r),
-    }
-    return m
+    )
 
 
 # a speculative engine that drafted nothing in its first this many target passes says so (speculation_idle)
@@ -143,20 +137,20 @@ def compare(baseline: RunResult, speculative: RunResult, greedy: bool) -> dict:
     """Speedup, the theoretical bounds with the costs measured in these two runs, efficiency and exactness."""
     b, s = baseline.metrics, speculative.metrics
     c = {
-        "speedup": _ratio(s["tokens_per_s"], b["tokens_per_s"]),
-        "decode_speedup": _ratio(s["decode_tokens_per_s"], b["decode_tokens_per_s"]),
+        "speedup": _ratio(s.tokens_per_s, b.tokens_per_s),
+        "decode_speedup": _ratio(s.decode_tokens_per_s, b.decode_tokens_per_s),
     }
-    step_ms = b["plain_step_ms"]  # one target decoding step, measured by the baseline
+    step_ms = b.plain_step_ms  # one target decoding step, measured by the baseline
     steps = [st for st in speculative.steps if st.drafted > 0 and st.step > 0]  # decoding steps (not the prefill)
-    if step_ms and steps and s["draft_ms_per_token"]:
+    if step_ms and steps and s.draft_ms_per_token:
         # Sum the model over the steps actually taken, so that a dynamic K is judged at the K it used.
         alpha = acceptance_alpha(steps)
-        cost_c = s["draft_ms_per_token"] / step_ms
+        cost_c = s.draft_ms_per_token / step_ms
         tokens = sum(expected_tokens_per_pass(alpha, st.drafted) for st in steps)
         c.update(
             alpha=alpha,
             draft_cost_ratio=cost_c,
-            verify_cost_ratio=s["verify_ms_mean"] / step_ms,
+            verify_cost_ratio=s.verify_ms_mean / step_ms,
             expected_tokens_per_pass=tokens / len(steps),
             theoretical_bound=tokens / sum(cost_c * st.drafted + 1 for st in steps),
             machine_bound=tokens / sum(cost_c * st.drafted + st.verify_ms / step_ms for st in steps),

@@ -38,7 +38,7 @@ def per_position(spec: RunResult | None, others: dict[str, RunResult] | None = N
     runs = [("speculative" if others else "acceptance", spec, ORANGE),
             *[(escape(label), run, colour) for (label, run), colour in zip((others or {}).items(), EXTRA_COLOURS)]]
     for name, run, colour in runs:  # one bar group per engine, side by side
-        rates = run.metrics.get("per_position_acceptance", []) if run else []
+        rates = run.metrics.per_position_acceptance if run else []
         if rates:
             fig.add_bar(x=list(range(1, len(rates) + 1)), y=rates, marker_color=colour, name=name)
     fig.update_layout(title="Acceptance by draft position", xaxis_title="position in the draft",

@@ -1,8 +1,8 @@
 """CSV export of the history: one summary row per run, one row per token event, and one row per engine of a run.
 
-An N-way comparison's extra speculative engines ("speculative-2", ...) appear in the runs CSV as an `engines` column
-(the engines of the run, in order) and columns prefixed by the engine's name; the tokens CSV has an `engine` column;
-the engines CSV (export_all) has one row per run and engine, also for runs saved before the engines table existed.
+The runs CSV names the engines of a run, in order, in an `engines` column, and gives each engine's columns prefixed
+by its name ("baseline_", "speculative_", "speculative-2_", ...); the tokens CSV has an `engine` column; the engines
+CSV (export_all) has one row per run and engine. The columns are named in specconsole.columns.
 
 Both files are written as the rows come from SQLite, a row at a time, so that exporting a long history (millions of
 token events) takes little memory: nothing builds the whole table first. The export reads through a read-only
@@ -28,29 +28,14 @@ import tempfile
 import threading
 from pathlib import Path
 
+from engine.run_metrics import RunMetrics
+from specconsole.columns import COMPARISON_DETAIL, ENGINE_CSV, RUN_CSV, engine_figures
 from specconsole.history import EVENT_TABLES, History
 
 log = logging.getLogger(__name__)
 
 FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
-
-SUMMARY_COLUMNS = [
-    "id", "created_at", "finished_at", "status", "error", "category", "backend", "target_model", "draft_model",
-    "method", "mode", "suite_id", "prompt", "baseline_output", "speculative_output", "speedup", "acceptance_rate",
-    "mean_accepted_length", "baseline_tps", "speculative_tps", "identical", "first_divergence", "noisy", "sampling_check", "nll_baseline", "nll_speculative",
-    "repeat",
-]
-COMPARISON_KEYS = ("decode_speedup", "alpha", "theoretical_bound", "machine_bound", "efficiency")
-# Per engine, in both CSVs (the runs CSV prefixes them with the engine's name): docs/history.md#the-csv-files says
-# what each means. provisional_accuracy: vLLM runs only (how often the kinds guessed while streaming were right)
-METRIC_KEYS = ("output_tokens", "ttft_ms", "tpot_ms", "target_passes", "drafted", "accepted", "provisional_accuracy",
-               "ignored_drafts", "acceptance_histogram", "steps_accepting_nothing", "drafting_ms", "verifying_ms",
-               "other_ms")
 TOKEN_COLUMNS = list(EVENT_TABLES["tokens"])
-# the engines CSV: one row per run and engine
-ENGINE_CSV_COLUMNS = ["run_id", "engine", "label", "method", "tokens_per_s", "speedup", "acceptance_rate",
-                      "mean_accepted_length", "identical", "first_divergence", *METRIC_KEYS,
-                      "error", "output"]
 
 
 def neutralise(value):
@@ -70,57 +55,39 @@ def _selection(column: str, run_ids: list[str] | None) -> tuple[str, list]:
 
 
 def _engine_rows(conn: sqlite3.Connection, run: dict) -> list[dict]:
-    """One row per engine of the run, as the engines CSV has them. The baseline and the main speculative engine
-    come from the runs table's columns (every version wrote them); the others from the engines table."""
+    """One row per engine of the run (ENGINE_CSV), in the run's order."""
     cursor = conn.execute("SELECT * FROM engines WHERE run_id = ? ORDER BY rowid", [run["id"]])
     names = [d[0] for d in cursor.description]
-    saved = {r["engine"]: r for r in (dict(zip(names, row)) for row in cursor)}
-    comparison = json.loads(run.get("comparison") or "{}")
     rows = []
-    for engine in dict.fromkeys(["baseline", "speculative", *saved]):
-        e = saved.get(engine, {})
-        if engine in ("baseline", "speculative"):
-            e = e | {"output": run.get(f"{engine}_output"), "metrics": run.get(f"{engine}_metrics"),
-                     "error": run.get(f"{engine}_error"),
-                     "comparison": json.dumps(comparison) if engine == "speculative" else None,
-                     "label": e.get("label") or engine,
-                     "method": run.get("method") if engine == "speculative" else "none"}
-        metrics = json.loads(e.get("metrics") or "{}")
-        c = json.loads(e.get("comparison") or "{}")
+    for e in (dict(zip(names, row)) for row in cursor):
+        c = json.loads(e["comparison"] or "{}")
+        m = RunMetrics.from_dict(json.loads(e["metrics"] or "{}"))
         identical = c.get("identical")
-        rows.append({"run_id": run["id"], "engine": engine, "label": e.get("label"), "method": e.get("method"),
-                     "tokens_per_s": metrics.get("tokens_per_s"), "speedup": c.get("speedup"),
-                     "acceptance_rate": metrics.get("acceptance_rate"),
-                     "mean_accepted_length": metrics.get("mean_accepted_length"),
+        rows.append({"run_id": run["id"], "engine": e["engine"], "label": e["label"] or e["engine"],
+                     "method": e["method"], "speedup": c.get("speedup"),
                      "identical": None if identical is None else int(identical),
                      "first_divergence": c.get("first_divergence"),
-                     **{k: metrics.get(k) for k in METRIC_KEYS}, "error": e.get("error"), "output": e.get("output")})
+                     **engine_figures(m), "error": e["error"], "output": e["output"],
+                     "divergence_note": m.divergence_note if identical is False else None})
     return rows
 
 
-def _summary_row(run: dict, engines: list[dict] | None = None) -> dict:
-    """One run's row; `engines` (its _engine_rows) add the engines column and the extra engines' figures."""
-    row = {c: run.get(c) for c in SUMMARY_COLUMNS}
+def _summary_row(run: dict, engines: list[dict]) -> dict:
+    """One run's row: its own columns, settings and comparison figures, then each engine's columns (its
+    _engine_rows) prefixed by the engine's name."""
+    row = {c: run.get(c) for c in RUN_CSV}
     for key, value in json.loads(run.get("settings") or "{}").items():
         row[f"setting_{key}"] = value
     comparison = json.loads(run.get("comparison") or "{}")
-    for key in COMPARISON_KEYS:
+    for key in COMPARISON_DETAIL:
         row[key] = comparison.get(key)
-    if comparison.get("identical") is False:  # the backend's reason a greedy output can part (llama.cpp)
-        note = json.loads(run.get("speculative_metrics") or "{}").get("divergence_note")
-        if note:
-            row["divergence_note"] = note
-    for engine in ("baseline", "speculative"):
-        metrics = json.loads(run.get(f"{engine}_metrics") or "{}")
-        for key in METRIC_KEYS:
-            if key in metrics:
-                row[f"{engine}_{key}"] = metrics[key]
-    if engines is not None:
-        row["engines"] = ",".join(e["engine"] for e in engines)
-        for e in engines[2:]:  # speculative-2, ...: the first two have their columns above
-            for key in ("label", "method", "tokens_per_s", "speedup", "acceptance_rate", "mean_accepted_length",
-                        "identical", "first_divergence", "output", "error", *METRIC_KEYS):
-                row[f"{e['engine']}_{key}"] = e[key]
+    notes = [e["divergence_note"] for e in engines if e["divergence_note"]]
+    if notes:  # the backend's reason a greedy output can part (llama.cpp)
+        row["divergence_note"] = notes[0]
+    row["engines"] = ",".join(e["engine"] for e in engines)
+    for e in engines:
+        for key in ENGINE_CSV[2:]:
+            row[f"{e['engine']}_{key}"] = e[key]
     return row
 
 
@@ -146,7 +113,7 @@ def write_summary(conn: sqlite3.Connection, path: Path, run_ids: list[str] | Non
         names = [d[0] for d in cursor.description]
         return (dict(zip(names, row)) for row in cursor)
 
-    columns = dict.fromkeys(SUMMARY_COLUMNS)
+    columns = dict.fromkeys(RUN_CSV)
     for run in runs():
         columns.update(dict.fromkeys(_summary_row(run, _engine_rows(conn, run))))
     with open(path, "w", newline="", encoding="utf-8") as f:
@@ -163,7 +130,7 @@ def write_engines(conn: sqlite3.Connection, path: Path, run_ids: list[str] | Non
     cursor = conn.execute(f"SELECT * FROM runs {where} ORDER BY created_at DESC, rowid DESC", args)
     names = [d[0] for d in cursor.description]
     with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=ENGINE_CSV_COLUMNS, lineterminator="\n")
+        writer = csv.DictWriter(f, fieldnames=ENGINE_CSV, lineterminator="\n", extrasaction="ignore")
         writer.writeheader()
         for values in cursor:
             for row in _engine_rows(conn, dict(zip(names, values))):

@@ -1,11 +1,13 @@
 """Every run, saved in a SQLite file (sqlite-utils): settings, prompt, outputs, all token events, metrics, status.
 
-Tables: runs (one row per comparison), tokens, steps and policy (the engine's events, per engine), so that a past
-run can be rebuilt event for event, and engines (one row per engine of a run: its label, drafting settings, output,
-metrics and comparison with the baseline). An N-way comparison has engines "baseline", "speculative",
-"speculative-2", ...; the runs table's baseline_* / speculative_* columns keep the first two, as they always did, so
-runs saved before the engines table existed (which have no rows there) read as before. The file uses WAL journaling and short transactions. While a run goes on, its
-new events are appended about once a second (`save_events`); the end of the run writes the rest and the summary.
+Tables: runs (one row per comparison: settings, prompt, status and the headline figures the History table lists),
+engines (one row per engine of a run: its label, drafting settings, output, metrics and comparison with the
+baseline; "baseline", "speculative", "speculative-2", ...), and tokens, steps and policy (the engines' events), so that
+a past run can be rebuilt event for event. The schema has a version (SQLite's user_version, SCHEMA_VERSION); a file
+of an older version is migrated when it is opened (`_migrate`), one of a newer version is refused.
+
+The file uses WAL journaling and short transactions. While a run goes on, its new events are appended about once a
+second (`save_events`); the end of the run writes the rest and the summary.
 A process killed mid-run therefore leaves a readable database with the tokens the run had streamed, and the run is
 marked "interrupted" the next time the file is opened.
 
@@ -30,6 +32,8 @@ import sqlite_utils
 
 from engine.events import PolicyAction, PolicyEvent, RunResult, StepRecord, TokenEvent, TokenKind
 from engine.metrics import run_metrics
+from engine.run_metrics import RunMetrics
+from specconsole.columns import LIST
 from specconsole.run_owner import owner, owner_gone
 
 log = logging.getLogger(__name__)
@@ -39,11 +43,18 @@ class HistoryError(RuntimeError):
     """The database cannot be opened or written; the message says which file and what to do."""
 
 
+# 1: no version set (the runs table held the baseline's and the main speculative engine's output, metrics and error);
+# 2: every engine's output, metrics and error in the engines table only
+SCHEMA_VERSION = 2
+# the runs table's columns of version 1 that version 2 keeps in the engines table
+ENGINE_COLUMNS_OF_V1 = {engine: {f"{engine}_{part}": part for part in ("output", "metrics", "error")}
+                        for engine in ("baseline", "speculative")}
+
 RUN_COLUMNS = {
     "id": str, "created_at": str, "finished_at": str, "status": str, "error": str, "category": str, "prompt": str,
     "backend": str, "target_model": str, "draft_model": str, "method": str, "mode": str, "settings": str,
-    "suite_id": str, "sweep_variable": str, "sweep_value": str, "baseline_output": str, "speculative_output": str, "baseline_metrics": str,
-    "speculative_metrics": str, "comparison": str, "baseline_error": str, "speculative_error": str,
+    "suite_id": str, "sweep_variable": str, "sweep_value": str, "comparison": str,
+    # the headline figures, for the History table (the main speculative engine against the baseline)
     "speedup": float, "acceptance_rate": float, "mean_accepted_length": float, "baseline_tps": float,
     "speculative_tps": float, "identical": int, "first_divergence": int,
     # trust: was the machine busy with other work during the run; is the sampled output as likely as the target's
@@ -63,15 +74,11 @@ EVENT_TABLES = {  # the engines' events, one row each, keyed by run and engine
     "policy": {"run_id": str, "engine": str, "step": int, "action": str, "k": int, "reason": str, "time_s": float},
 }
 
-# One row per engine of a run (a database from an older version gains the table, empty: its runs' two engines are
-# in the runs table's columns). JSON in settings, metrics and comparison.
+# One row per engine of a run. JSON in settings, metrics (engine.run_metrics.RunMetrics) and comparison.
 ENGINE_COLUMNS = {"run_id": str, "engine": str, "label": str, "method": str, "settings": str, "output": str,
                   "metrics": str, "comparison": str, "error": str}
 
-# The columns of the History tab's table: never the outputs, metrics or events, so that a page of a long history
-# reads a few kilobytes.
-LIST_COLUMNS = ("id", "created_at", "status", "category", "mode", "method", "speedup", "acceptance_rate", "identical",
-                "noisy", "sampling_check")
+LIST_COLUMNS = [c.key for c in LIST if c.key != "prompt"]  # the History table's (the prompt: its start only)
 
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -147,7 +154,12 @@ class History:
             ) from e
 
     def _create(self) -> None:
+        version = self.db.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise sqlite3.DatabaseError(f"it was written by a newer SpecConsole (history schema {version}; this "
+                                        f"version reads up to {SCHEMA_VERSION})")
         runs = self.db["runs"]
+        older = runs.exists() and version < SCHEMA_VERSION
         runs.create(RUN_COLUMNS, pk="id", if_not_exists=True)
         for name, kind in RUN_COLUMNS.items():  # a database from an older version gains the new columns
             if name not in runs.columns_dict:
@@ -166,6 +178,36 @@ class History:
         self.db.execute("DROP INDEX IF EXISTS idx_tokens_run_id")
         self.db["engines"].create(ENGINE_COLUMNS, pk=("run_id", "engine"), foreign_keys=[("run_id", "runs", "id")],
                                   if_not_exists=True)
+        if older:
+            self._migrate()
+        self.db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    def _migrate(self) -> None:
+        """Version 1 to 2: the baseline's and the main speculative engine's output, metrics and error move from the
+        runs table's columns into the engines table (a run saved before that table existed gains its two rows)."""
+        runs = self.db["runs"].columns_dict
+        with self.db.atomic():
+            for engine, columns in ENGINE_COLUMNS_OF_V1.items():
+                if not set(columns) <= set(runs):
+                    continue
+                output, metrics, error = columns
+                method = "method" if engine == "speculative" else "'none'"
+                self.db.execute(
+                    f"INSERT OR IGNORE INTO engines (run_id, engine, label, method, settings) "
+                    f"SELECT id, ?, ?, {method}, '{{}}' FROM runs WHERE coalesce({output}, {metrics}, {error}) IS NOT "
+                    f"NULL OR EXISTS (SELECT 1 FROM tokens WHERE run_id = runs.id AND engine = ?)",
+                    [engine, engine, engine])
+                comparison = "r.comparison" if engine == "speculative" else "NULL"  # the main one's is the run's
+                self.db.execute(
+                    f"UPDATE engines SET output = coalesce(engines.output, r.{output}), metrics = coalesce("
+                    f"engines.metrics, r.{metrics}), error = coalesce(engines.error, r.{error}), comparison = "
+                    f"coalesce(engines.comparison, {comparison}) FROM runs AS r WHERE r.id = engines.run_id AND "
+                    f"engines.engine = ?", [engine])
+            for engine, columns in ENGINE_COLUMNS_OF_V1.items():
+                for column in columns:
+                    if column in runs:
+                        self.db.execute(f"ALTER TABLE runs DROP COLUMN {column}")
+        log.info("the history %s was migrated to schema version %d", self.path, SCHEMA_VERSION)
 
     def _mark_interrupted(self) -> None:
         """Runs left 'running' by a process that is gone: 'interrupted', with the output they had streamed."""
@@ -178,11 +220,10 @@ class History:
         try:
             with self.db.atomic():
                 for run_id in gone:
-                    outputs = {f"{e}_output": self._streamed_text(run_id, e) for e in ("baseline", "speculative")}
-                    self.db.execute(
-                        "UPDATE runs SET status = 'interrupted', error = coalesce(error, ?), baseline_output = "
-                        "coalesce(baseline_output, ?), speculative_output = coalesce(speculative_output, ?) WHERE id = ?",
-                        [INTERRUPTED, outputs["baseline_output"], outputs["speculative_output"], run_id])
+                    self.db.execute("UPDATE runs SET status = 'interrupted', error = coalesce(error, ?) WHERE id = ?",
+                                    [INTERRUPTED, run_id])
+                    self.db.execute("INSERT OR IGNORE INTO engines (run_id, engine, label, settings) SELECT DISTINCT "
+                                    "run_id, engine, engine, '{}' FROM tokens WHERE run_id = ?", [run_id])
                     for (engine,) in self.db.execute("SELECT engine FROM engines WHERE run_id = ?", [run_id]).fetchall():
                         self.db.execute("UPDATE engines SET output = coalesce(output, ?) WHERE run_id = ? AND engine = ?",
                                         [self._streamed_text(run_id, engine), run_id, engine])
@@ -244,15 +285,11 @@ class History:
         b, s = results.get("baseline"), results.get("speculative")
         update = {
             "finished_at": now(), "status": status, "error": error,
-            "baseline_output": b.output_text if b else None, "speculative_output": s.output_text if s else None,
-            "baseline_metrics": json.dumps(b.metrics) if b else None,
-            "speculative_metrics": json.dumps(s.metrics) if s else None,
-            "baseline_error": b.error if b else None, "speculative_error": s.error if s else None,
             "comparison": json.dumps(comparison), "speedup": comparison.get("speedup"),
-            "acceptance_rate": s.metrics.get("acceptance_rate") if s else None,
-            "mean_accepted_length": s.metrics.get("mean_accepted_length") if s else None,
-            "baseline_tps": b.metrics.get("tokens_per_s") if b else None,
-            "speculative_tps": s.metrics.get("tokens_per_s") if s else None,
+            "acceptance_rate": s.metrics.acceptance_rate if s else None,
+            "mean_accepted_length": s.metrics.mean_accepted_length if s else None,
+            "baseline_tps": b.metrics.tokens_per_s if b else None,
+            "speculative_tps": s.metrics.tokens_per_s if s else None,
             "identical": None if "identical" not in comparison else int(comparison["identical"]),
             "first_divergence": comparison.get("first_divergence"),
             "noisy": None if comparison.get("noisy") is None else int(comparison["noisy"]),
@@ -261,13 +298,16 @@ class History:
         }
         new, changed = saved.pending(results, changes=True)
         comparisons = {"speculative": comparison} | (comparisons or {})
-        engine_updates = [[r.output_text, json.dumps(r.metrics), json.dumps(comparisons.get(e)) if e in comparisons
-                           else None, r.error, run_id, e] for e, r in results.items()]
+        engine_rows = [[run_id, e, e, r.method, "{}"] for e, r in results.items()]
+        engine_updates = [[r.output_text, json.dumps(r.metrics.to_dict()), json.dumps(comparisons.get(e))
+                           if e in comparisons else None, r.error, run_id, e] for e, r in results.items()]
 
         def write():
             with self.db.atomic():
                 self.db["runs"].update(run_id, update)
-                # only engines that start_run named (a run saved without them keeps the runs table's columns)
+                # an engine that start_run did not name gets its row here, labelled by its name
+                self.db.conn.executemany("INSERT OR IGNORE INTO engines (run_id, engine, label, method, settings) "
+                                         "VALUES (?, ?, ?, ?, ?)", engine_rows)
                 self.db.conn.executemany("UPDATE engines SET output = ?, metrics = ?, comparison = ?, error = ? "
                                          "WHERE run_id = ? AND engine = ?", engine_updates)
                 for table, rows in new.items():
@@ -344,13 +384,23 @@ class History:
             "ORDER BY started DESC"
         ))
 
+    def suite_metrics(self, suite_id: str) -> dict[str, dict[str, RunMetrics]]:
+        """The baseline's and the main speculative engine's metrics of each run of a suite: run id -> engine ->
+        RunMetrics (an engine that saved none is left out)."""
+        rows = self.db.execute(
+            "SELECT e.run_id, e.engine, e.metrics FROM engines AS e JOIN runs AS r ON r.id = e.run_id WHERE "
+            "r.suite_id = ? AND e.engine IN ('baseline', 'speculative') AND e.metrics IS NOT NULL", [suite_id])
+        out: dict[str, dict[str, RunMetrics]] = {}
+        for run_id, engine, metrics in rows.fetchall():
+            out.setdefault(run_id, {})[engine] = RunMetrics.from_dict(json.loads(metrics))
+        return out
+
     def run(self, run_id: str) -> dict | None:
         rows = list(self.db["runs"].rows_where("id = ?", [run_id]))
         return rows[0] if rows else None
 
     def engines(self, run_id: str) -> dict[str, dict]:
-        """The engines table's rows of a run, in the run's order (engine -> row, JSON parsed); {} for a run saved
-        before the table existed."""
+        """The engines table's rows of a run, in the run's order (engine -> row, JSON parsed)."""
         rows = self.db["engines"].rows_where("run_id = ?", [run_id], order_by="rowid")
         return {r["engine"]: r | {k: json.loads(r[k]) if r[k] else None for k in ("settings", "metrics", "comparison")}
                 for r in rows}
@@ -367,10 +417,6 @@ class History:
             tokens = [_token(t) for t in self.db["tokens"].rows_where("run_id = ? AND engine = ?", [run_id, engine],
                                                                       order_by="seq")]
             saved = engines.get(engine, {})
-            if engine in ("baseline", "speculative"):  # the runs table's columns, as every version wrote them
-                saved = {"output": row.get(f"{engine}_output"), "error": row.get(f"{engine}_error"),
-                         "metrics": json.loads(row.get(f"{engine}_metrics") or "null"),
-                         "method": row["method"] if engine == "speculative" else "none"}
             if saved.get("metrics") is None and saved.get("output") is None and not tokens:
                 continue
             r = RunResult(engine=engine, method=saved.get("method") or "", prompt_tokens=0)
@@ -381,9 +427,9 @@ class History:
                         self.db["policy"].rows_where("run_id = ? AND engine = ?", [run_id, engine], order_by="rowid")]
             r.output_text = saved.get("output") or ""
             r.output_ids = [t.token_id for t in r.output_tokens]
-            r.metrics = saved.get("metrics") or {}
+            r.metrics = RunMetrics.from_dict(saved.get("metrics"))
             r.error = saved.get("error")
-            if not r.metrics and (r.tokens or r.steps):  # never finished: measure what there is
+            if not saved.get("metrics") and (r.tokens or r.steps):  # never finished: measure what there is
                 r.total_s = max([t.time_s for t in r.tokens] + [s.time_s for s in r.steps])
                 r.metrics = run_metrics(r)
             out[engine] = r

@@ -7,6 +7,7 @@ import re
 from html import escape
 
 from engine.events import RunResult, TokenEvent, TokenKind
+from engine.run_metrics import RunMetrics
 from specconsole.markup import number
 
 KIND_HELP = {
@@ -123,36 +124,39 @@ def _sampling_check_rows(comparison: dict) -> list[tuple[str, str]]:
     return rows
 
 
-def _provisional_figure(s: dict) -> str:
+def _provisional_figure(s: RunMetrics) -> str:
     """How often the kinds guessed while streaming were the final ones (engine.vllm.steps.provisional_accuracy)."""
-    if "provisional_accuracy" not in s:
-        return "–"  # still streaming, or a run that ended in an error
-    if s["provisional_accuracy"] is None:
+    if s.provisional_accuracy is None:
         return "unknown"
-    note = f'<div class="fig-note">of {number(s.get("output_tokens"))} tokens, guessed from chunk boundaries</div>'
-    return f'{number(s["provisional_accuracy"], ".0%")}{note}'
+    note = f'<div class="fig-note">of {number(s.output_tokens)} tokens, guessed from chunk boundaries</div>'
+    return f'{number(s.provisional_accuracy, ".0%")}{note}'
 
 
-def _known(m: dict, key: str, spec: str = "") -> str:
-    """A figure, "unknown" where the backend cannot know it (the key is there with None), "–" before it is known."""
-    return "unknown" if key in m and m[key] is None else number(m.get(key), spec)
+def _get(m: RunMetrics | None, key: str):
+    """A figure of a run's metrics; None before the run has any."""
+    return getattr(m, key) if m is not None else None
 
 
-def _histogram_figure(s: dict) -> str:
+def _known(m: RunMetrics | None, key: str, spec: str = "") -> str:
+    """A figure, "unknown" where the backend cannot know it (None in the run's metrics), "–" before there is a run."""
+    return "unknown" if m is not None and getattr(m, key) is None else number(_get(m, key), spec)
+
+
+def _histogram_figure(s: RunMetrics | None) -> str:
     """How many speculative steps accepted 0, 1, 2, ... drafts, and the share that accepted none."""
-    counts = s.get("acceptance_histogram")
+    counts = _get(s, "acceptance_histogram")
     if not counts:
         return _known(s, "acceptance_histogram")
     bars = " · ".join(f"{i}: {number(n)}" for i, n in enumerate(counts))
-    return (f'{bars}<div class="fig-note">{number(s.get("steps_accepting_nothing"), ".0%")} of the steps accepted '
+    return (f'{bars}<div class="fig-note">{number(s.steps_accepting_nothing, ".0%")} of the steps accepted '
             f'nothing: each bought one token for a target pass and a draft</div>')
 
 
-def _time_split_figure(b: dict, s: dict) -> str:
+def _time_split_figure(b: RunMetrics | None, s: RunMetrics | None) -> str:
     """Where each engine's time went (engine.metrics.time_split), in seconds."""
-    def split(m: dict) -> str:
-        parts = [m.get(k) for k in ("drafting_ms", "verifying_ms", "other_ms")]
-        if "drafting_ms" in m and parts[0] is None:
+    def split(m: RunMetrics | None) -> str:
+        parts = [_get(m, k) for k in ("drafting_ms", "verifying_ms", "other_ms")]
+        if m is not None and parts[0] is None:
             return "unknown"
         return " | ".join(number(None if p is None else p / 1000, ".2f") for p in parts)
 
@@ -161,8 +165,8 @@ def _time_split_figure(b: dict, s: dict) -> str:
 
 def figures_html(baseline: RunResult | None, speculative: RunResult | None, comparison: dict, mode: str,
                  rolling_acceptance: float | None) -> str:
-    b = baseline.metrics if baseline else {}
-    s = speculative.metrics if speculative else {}
+    b = baseline.metrics if baseline else None
+    s = speculative.metrics if speculative else None
     exact = ""
     if "identical" in comparison:
         if comparison["identical"]:
@@ -170,40 +174,42 @@ def figures_html(baseline: RunResult | None, speculative: RunResult | None, comp
         elif comparison.get("first_divergence") is not None:
             exact = (f'<span class="exact diverged">✖ first divergence at token '
                      f'{number(comparison["first_divergence"])}</span>')
-            if s.get("divergence_note"):  # why this backend's greedy outputs can differ (llama.cpp)
-                exact += f' <span class="why">{escape(str(s["divergence_note"]))}</span>'
+            if _get(s, "divergence_note"):  # why this backend's greedy outputs can differ (llama.cpp)
+                exact += f' <span class="why">{escape(s.divergence_note)}</span>'
     rows = [
         ("tokens/s (baseline | speculative)",
-         f'{number(b.get("tokens_per_s"), ".2f")} | {number(s.get("tokens_per_s"), ".2f")}'),
+         f'{number(_get(b, "tokens_per_s"), ".2f")} | {number(_get(s, "tokens_per_s"), ".2f")}'),
         ("speedup", number(comparison.get("speedup"), ".2f", "×")),
         *_sampling_check_rows(comparison),
         ("acceptance (all | last 8 steps)",
-         f'{number(s.get("acceptance_rate"), ".2f")} | {number(rolling_acceptance, ".2f")}'),
-        ("mean accepted length", number(s.get("mean_accepted_length"), ".2f")),
-        ("steps won by a token-tree alternative", number(s.get("tree_accepted"))),
-        ("TTFT ms (baseline | speculative)", f'{number(b.get("ttft_ms"), ".0f")} | {number(s.get("ttft_ms"), ".0f")}'),
-        ("TPOT ms (baseline | speculative)", f'{number(b.get("tpot_ms"), ".1f")} | {number(s.get("tpot_ms"), ".1f")}'),
-        ("target passes saved", "unknown" if "passes_saved" in s and s["passes_saved"] is None
-                                else f'{number(s.get("passes_saved"))} of {number(s.get("output_tokens"))}'),
+         f'{number(_get(s, "acceptance_rate"), ".2f")} | {number(rolling_acceptance, ".2f")}'),
+        ("mean accepted length", number(_get(s, "mean_accepted_length"), ".2f")),
+        ("steps won by a token-tree alternative", number(_get(s, "tree_accepted"))),
+        ("TTFT ms (baseline | speculative)", f'{number(_get(b, "ttft_ms"), ".0f")} | {number(_get(s, "ttft_ms"), ".0f")}'),
+        ("TPOT ms (baseline | speculative)", f'{number(_get(b, "tpot_ms"), ".1f")} | {number(_get(s, "tpot_ms"), ".1f")}'),
+        ("target passes saved", "unknown" if s is not None and s.passes_saved is None
+                                else f'{number(_get(s, "passes_saved"))} of {number(_get(s, "output_tokens"))}'),
         ("bound: ideal | this machine", "unknown" if _bound_unknown(speculative, comparison)
                                         else f'{number(comparison.get("theoretical_bound"), ".2f", "×")} | '
                                              f'{number(comparison.get("machine_bound"), ".2f", "×")}'),
         ("efficiency (speedup / machine bound)", number(comparison.get("efficiency"), ".2f")),
-        ("fallbacks", number(s.get("fallback_count"))),
+        ("fallbacks", number(_get(s, "fallback_count"))),
         ("drafts accepted per step", _histogram_figure(s)),
         ("ignored drafts (cut off by a stop)", _known(s, "ignored_drafts")),
         ("time: drafting | target passes | other (s)", _time_split_figure(b, s)),
     ]
-    if "vllm_time_to_first_token_ms" in s:  # what the vLLM servers measured themselves
+    if s is not None and "time_to_first_token_ms" in s.server:  # what the vLLM servers measured themselves
+        def server(m: RunMetrics | None, key: str, spec: str) -> str:
+            return number(m.server.get(key) if m is not None else None, spec)
+
         rows += [
             ("vLLM TTFT ms (baseline | speculative)",
-             f'{number(b.get("vllm_time_to_first_token_ms"), ".0f")} | '
-             f'{number(s.get("vllm_time_to_first_token_ms"), ".0f")}'),
+             f'{server(b, "time_to_first_token_ms", ".0f")} | {server(s, "time_to_first_token_ms", ".0f")}'),
             ("vLLM ITL ms (baseline | speculative)",
-             f'{number(b.get("vllm_mean_itl_ms"), ".1f")} | {number(s.get("vllm_mean_itl_ms"), ".1f")}'),
+             f'{server(b, "mean_itl_ms", ".1f")} | {server(s, "mean_itl_ms", ".1f")}'),
             ("vLLM tokens/s (baseline | speculative)",
-             f'{number(b.get("vllm_tokens_per_second"), ".1f")} | {number(s.get("vllm_tokens_per_second"), ".1f")}'),
-            ("highlighting", escape(str(s.get("highlighting", "–")))),
+             f'{server(b, "tokens_per_second", ".1f")} | {server(s, "tokens_per_second", ".1f")}'),
+            ("highlighting", escape(s.highlighting or "–")),
             ("provisional kinds right", _provisional_figure(s)),
         ]
     rows.append(("mode", escape(mode)))
@@ -230,7 +236,7 @@ def engines_html(results: dict[str, RunResult], labels: dict[str, str], comparis
     length, TTFT and whether its greedy output is identical to the baseline's."""
     rows = []
     for engine, r in results.items():
-        m, c = r.metrics or {}, comparisons.get(engine, {})
+        m, c = r.metrics, comparisons.get(engine, {})
         if "identical" not in c:
             same = "–"
         elif c["identical"]:
@@ -239,10 +245,10 @@ def engines_html(results: dict[str, RunResult], labels: dict[str, str], comparis
             same = f'<span class="exact diverged">✖ diverges at token {number(c["first_divergence"])}</span>'
         else:
             same = "–"
-        cells = [escape(engine), escape(labels.get(engine, engine)), number(m.get("tokens_per_s"), ".2f"),
+        cells = [escape(engine), escape(labels.get(engine, engine)), number(m.tokens_per_s, ".2f"),
                  "–" if engine == "baseline" else number(c.get("speedup"), ".2f", "×"),
-                 number(m.get("acceptance_rate"), ".2f"), number(m.get("mean_accepted_length"), ".2f"),
-                 number(m.get("ttft_ms"), ".0f"), same]
+                 number(m.acceptance_rate, ".2f"), number(m.mean_accepted_length, ".2f"),
+                 number(m.ttft_ms, ".0f"), same]
         rows.append(f'<tr data-engine="{escape(engine, quote=True)}">' + "".join(f"<td>{c}</td>" for c in cells)
                     + "</tr>")
     head = "".join(f"<th>{h}</th>" for h in ("engine", "configuration", "tokens/s", "speedup", "acceptance",

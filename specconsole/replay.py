@@ -53,8 +53,7 @@ def _engine(result: RunResult, final: dict) -> dict:
         tokens.append([t.kind.value, t.text, round(t_max, 6), t.step, t.position, _title(t),
                        1 if BIDI_CONTROLS.search(t.text) else 0])
     steps = [[s.step, s.drafted, s.accepted, round(s.time_s, 6)] for s in result.steps]
-    m = result.metrics or {}
-    n, tps = m.get("output_tokens"), m.get("tokens_per_s")
+    n, tps = result.metrics.output_tokens, result.metrics.tokens_per_s
     last = max([t_max] + [s[3] for s in steps])
     # when the engine finished: the run's total time (n / tokens per second), at least its last event
     end = max(last, n / tps) if n and tps else last
@@ -77,13 +76,12 @@ def payload(history: History, run_id: str) -> dict:
     comparison = json.loads(row.get("comparison") or "{}")
     saved = history.engines(run_id)  # labels and per-engine comparisons of an N-way run (none for older runs)
     baseline = results.get("baseline")
-    base_tps = baseline.metrics.get("tokens_per_s") if baseline else None
+    base_tps = baseline.metrics.tokens_per_s if baseline else None
     engines = []
     for name, r in results.items():
-        m = r.metrics or {}
-        tps = m.get("tokens_per_s")
-        final = {"tokens_per_s": tps, "acceptance_rate": m.get("acceptance_rate"),
-                 "mean_accepted_length": m.get("mean_accepted_length"),
+        tps = r.metrics.tokens_per_s
+        final = {"tokens_per_s": tps, "acceptance_rate": r.metrics.acceptance_rate,
+                 "mean_accepted_length": r.metrics.mean_accepted_length,
                  "speedup": None if name == "baseline" else (tps / base_tps if tps and base_tps else None)}
         shown = comparison if name == "speculative" else (saved.get(name, {}).get("comparison") or {})
         if name != "baseline" and shown.get("speedup") is not None:

@@ -44,6 +44,7 @@ from specconsole.variants import Variant
 log = logging.getLogger(__name__)
 
 MODES = ("fair", "race")
+RUN_META = ("backend", "target_model", "draft_model", "method")  # what a backend's describe() saves with a run
 SAVE_EVERY_S = 1.0  # how often a running comparison appends its new events to the history
 PAGE_WAIT_S = 3.0  # the longest a fair turn waits for the page to hand its last update over
 THREAD_END_WAIT_S = 5.0  # at the end of a run: the longest its figures wait for an engine thread to finish its turn
@@ -373,7 +374,7 @@ def run_meta(backend, request) -> dict:
     """Who served a run, saved with it: the backend's description and the drafting method that actually ran. Where
     the backend applies the request's method (local), that is the request's; where it does not (vLLM), it is the
     one the server was started with, whatever the form or the command line said."""
-    meta = backend.describe()
+    meta = {k: v for k, v in backend.describe().items() if k in RUN_META}
     if "method" not in backend.ignored_settings(request):
         meta["method"] = request.method
         if request.method == "ngram":  # prompt lookup: no second model took part

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import numbers
 from html import escape
 from pathlib import Path
 
 import gradio as gr
 import pandas as pd
 
+from specconsole.columns import LIST
 from specconsole.export import EXPORTS, ExportFolder, export_all as export_csv_files, file_id
 from specconsole.replay import UnknownRun, write_replay
 from specconsole.history import History, HistoryError
@@ -20,8 +19,7 @@ from specconsole.render import engines_html, figures_html, tokens_html
 from specconsole.run_stream import figures_for, rolling_acceptance
 from specconsole.suites import categories
 
-HISTORY_COLUMNS = ["id", "created", "status", "category", "mode", "method", "speedup", "acceptance", "identical",
-                   "sampling check", "machine", "prompt"]
+HISTORY_COLUMNS = [c.header for c in LIST]
 HISTORY_PAGE = 100  # runs per page of the History tab: a long history is read a page at a time
 
 log = logging.getLogger(__name__)
@@ -98,13 +96,6 @@ def view(results: dict, comparison: dict, mode: str, show_rejected: bool, saved:
     return panels[0], panels[1], figures
 
 
-def _figure(value) -> float | None:
-    """A stored figure for the table, rounded; a tampered file's text or NaN shows as an empty cell."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        return None
-    return round(value, 2)
-
-
 def history_rows(history: History, category, page=1) -> tuple[pd.DataFrame, int, str]:
     """One page of the history: the table, the page number (kept in range) and the line that says where it is."""
     rows, total, page = history.page(category if category and category != "all" else None, int(page or 1),
@@ -112,11 +103,7 @@ def history_rows(history: History, category, page=1) -> tuple[pd.DataFrame, int,
     pages = max(1, -(-total // HISTORY_PAGE))
     where = f"page {page} of {pages} · {total:,} run{'s' if total != 1 else ''}"
     return pd.DataFrame(
-        [[r["id"], (r["created_at"] or "")[:19].replace("T", " "), r["status"], r["category"], r["mode"],
-          r["method"], _figure(r["speedup"]), _figure(r["acceptance_rate"]),
-          {1: "yes", 0: "no"}.get(r["identical"], ""), r.get("sampling_check") or "",
-          {1: "noisy", 0: "quiet"}.get(r["noisy"], ""),
-          r["prompt"] or ""] for r in rows],
+        [[c.cell(r.get(c.key)) for c in LIST] for r in rows],
         columns=HISTORY_COLUMNS,
     ), page, where
 

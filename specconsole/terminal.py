@@ -11,6 +11,7 @@ from engine.backend import extra_engine
 from engine.analysis.check import sampling_check
 from engine.events import Reclassified, RunResult, TokenEvent
 from engine.metrics import compare
+from engine.run_metrics import RunMetrics
 
 # ANSI colours of the token kinds (the console uses the same kinds, colour-blind-safe, in CSS)
 COLOURS = {"accepted": "\033[34m", "recovered": "\033[33m", "bonus": "\033[35m", "rejected": "\033[9;90m"}
@@ -41,11 +42,11 @@ def table(backend, base, variants: list) -> int:
     rows = [("engine", "label", "tokens/s", "speedup", "acceptance", "identical")]
     for engine, r in results.items():
         c = compare(results["baseline"], r, greedy) if engine != "baseline" else {}
-        acceptance = r.metrics.get("acceptance_rate")
+        acceptance = r.metrics.acceptance_rate
         identical = "-" if "identical" not in c else ("yes" if c["identical"] else f"no@{c['first_divergence']}")
         speedup = "-" if not c.get("speedup") else f"{c['speedup']:.2f}x"
         rows.append((engine, engines[engine].label if engine in engines else "baseline",
-                     f"{r.metrics.get('tokens_per_s') or 0:.2f}", speedup,
+                     f"{r.metrics.tokens_per_s or 0:.2f}", speedup,
                      "-" if acceptance is None else f"{acceptance:.2f}", identical))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     sys.stdout.write("\n" + "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
@@ -77,9 +78,9 @@ def stream(backend, engine: str, req, label: str | None = None, server: str | No
         elif isinstance(event, RunResult):
             result = event
     m = result.metrics
-    passes = "unknown" if m.get("target_passes") is None else m["target_passes"]
-    out.write(f"\n[{result.finish_reason}{': ' + result.error if result.error else ''}] {m['output_tokens']} tokens, "
-              f"{m['tokens_per_s'] or 0:.2f} tok/s, target passes {passes}\n")
+    passes = "unknown" if m.target_passes is None else m.target_passes
+    out.write(f"\n[{result.finish_reason}{': ' + result.error if result.error else ''}] {m.output_tokens} tokens, "
+              f"{m.tokens_per_s or 0:.2f} tok/s, target passes {passes}\n")
     return result
 
 
@@ -88,13 +89,13 @@ def coloured(token) -> str:
     return f"{colour}{token.text}{RESET if colour else ''}"
 
 
-def demo_lines(s: dict, c: dict) -> list[str]:
+def demo_lines(s: RunMetrics, c: dict) -> list[str]:
     """The pair's figures and checks, one line each: `s` the speculative run's metrics, `c` the comparison."""
     lines = [f"speedup {c['speedup'] or 0:.2f}x (decode {c['decode_speedup'] or 0:.2f}x)"]
-    if s.get("acceptance_rate") is not None:
-        lines.append(f"acceptance {s['acceptance_rate']:.2f}, mean accepted length {s['mean_accepted_length']:.2f}")
-    if s.get("highlighting"):
-        lines.append(f"highlighting: {s['highlighting']}")
+    if s.acceptance_rate is not None:
+        lines.append(f"acceptance {s.acceptance_rate:.2f}, mean accepted length {s.mean_accepted_length:.2f}")
+    if s.highlighting:
+        lines.append(f"highlighting: {s.highlighting}")
     if "machine_bound" in c:
         lines.append(f"bound on this machine {c['machine_bound']:.2f}x, efficiency {c.get('efficiency') or 0:.2f}")
     else:
@@ -102,7 +103,7 @@ def demo_lines(s: dict, c: dict) -> list[str]:
     if "identical" in c:
         lines.append("greedy outputs identical" if c["identical"]
                      else f"outputs diverge at token {c['first_divergence']}"
-                     + (f" ({s['divergence_note']})" if s.get("divergence_note") else ""))
+                     + (f" ({s.divergence_note})" if s.divergence_note else ""))
     if c.get("nll_baseline") is not None:
         lines.append(f"NLL nats/token: baseline {c['nll_baseline']:.2f}, speculative {c['nll_speculative']:.2f} "
                      f"(perplexity {c['perplexity_baseline']:.1f} | {c['perplexity_speculative']:.1f})")

@@ -43,8 +43,8 @@ def choose(backend, base: Request, drafting: Callable[[], list[Variant]], labels
     it runs, and the extra ones whose labels are in `labels` (None: all). Any other runs `drafting()` (the page's form
     and presets, `demo --compare`); more than one of them needs a backend that takes drafting settings per run."""
     if backend.capabilities.fixed_variants:
-        method = backend.describe()["method"]  # "ngram" on vLLM, "llamacpp-draft" on llama.cpp
-        main = Variant(method if method.startswith(backend.name) else f"vLLM {method}", base)
+        described = backend.describe()  # the label of its speculative server: "vLLM ngram", "llamacpp-draft"
+        main = Variant(described.get("label") or described["method"], base)
         return [main, *served(backend, base, labels)]
     variants = drafting()
     if len(variants) > 1 and not backend.capabilities.per_request_drafting:

@@ -29,6 +29,7 @@ from engine.limits import (MAX_CONCURRENCY, MAX_K, MAX_PROMPTS_PER_SUITE, MAX_RE
 from engine.llamacpp.server import METHODS as LLAMACPP_METHODS
 from engine.methods import METHODS
 from engine.request import Request
+from engine.run_metrics import RunMetrics
 from engine.analysis.stats import bootstrap_ci, ratio_ci
 from engine.vllm.config import METHODS as VLLM_METHODS
 from specconsole.advisor import Advice, ab_conclusion, advise
@@ -204,29 +205,30 @@ def _prompt_id(prompt: str, settings: str | None) -> str:
 def runs_frame(history: History, suite_id: str) -> pd.DataFrame:
     """One row per stored run of a suite, with the figures the aggregates are built from."""
     rows = []
+    metrics = history.suite_metrics(suite_id)
     for run in history.runs(suite_id=suite_id, limit=1_000_000):
-        b = json.loads(run["baseline_metrics"] or "{}")
-        s = json.loads(run["speculative_metrics"] or "{}")
+        b = metrics.get(run["id"], {}).get("baseline") or RunMetrics()
+        s = metrics.get(run["id"], {}).get("speculative") or RunMetrics()
         c = json.loads(run["comparison"] or "{}")
-        total_ms = 1000 * s["output_tokens"] / s["tokens_per_s"] if s.get("tokens_per_s") else None
+        total_ms = 1000 * s.output_tokens / s.tokens_per_s if s.tokens_per_s else None
         rows.append({
             "run_id": run["id"], "category": run["category"], "status": run["status"], "method": run["method"],
             "prompt_id": _prompt_id(run["prompt"] or "", run["settings"]), "prompt": (run["prompt"] or "")[:100],
             "repeat": run["repeat"], "sweep_variable": run["sweep_variable"], "sweep_value": run["sweep_value"] or "",
             "speedup": c.get("speedup"), "decode_speedup": c.get("decode_speedup"),
-            "baseline_tps": b.get("tokens_per_s"), "speculative_tps": s.get("tokens_per_s"),
-            "acceptance": s.get("acceptance_rate"), "alpha": c.get("alpha"),
-            "mean_accepted_length": s.get("mean_accepted_length"),
-            "per_position": s.get("per_position_acceptance") or [],
-            "histogram": s.get("acceptance_histogram"),  # None: the backend could not place the steps
-            "ttft_ms_baseline": b.get("ttft_ms"), "ttft_ms_speculative": s.get("ttft_ms"),
-            "tpot_ms_baseline": b.get("tpot_ms"), "tpot_ms_speculative": s.get("tpot_ms"),
-            "prefill_share": (s.get("prefill_ms") or 0) / total_ms if total_ms else None,
+            "baseline_tps": b.tokens_per_s, "speculative_tps": s.tokens_per_s,
+            "acceptance": s.acceptance_rate, "alpha": c.get("alpha"),
+            "mean_accepted_length": s.mean_accepted_length,
+            "per_position": s.per_position_acceptance or [],
+            "histogram": s.acceptance_histogram,  # None: the backend could not place the steps
+            "ttft_ms_baseline": b.ttft_ms, "ttft_ms_speculative": s.ttft_ms,
+            "tpot_ms_baseline": b.tpot_ms, "tpot_ms_speculative": s.tpot_ms,
+            "prefill_share": (s.prefill_ms or 0) / total_ms if total_ms else None,
             "machine_bound": c.get("machine_bound"), "efficiency": c.get("efficiency"),
             "identical": c.get("identical"), "sampling_check": c.get("sampling_check"),
             "first_divergence": c.get("first_divergence"),
             # why this backend's greedy output can part from the baseline's (llama.cpp), where it did
-            "divergence_note": s.get("divergence_note") if c.get("identical") is False else None,
+            "divergence_note": s.divergence_note if c.get("identical") is False else None,
         })
     return pd.DataFrame(rows)
 

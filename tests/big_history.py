@@ -29,7 +29,7 @@ def make_big_history(path: Path, runs: int = 10_000, seed: int = 0) -> dict:
     History(path)  # the schema, indexes included, as the console makes it
     rng = random.Random(seed)
     start = datetime(2025, 1, 1, tzinfo=timezone.utc)
-    run_rows, lengths = [], []
+    run_rows, engine_rows, lengths = [], [], []
     for i in range(runs):
         run_id = f"{rng.getrandbits(48):012x}"
         n = {e: rng.randint(100, 300) for e in ("baseline", "speculative")}
@@ -42,17 +42,18 @@ def make_big_history(path: Path, runs: int = 10_000, seed: int = 0) -> dict:
             run_id, (start + timedelta(seconds=300 * i)).isoformat(timespec="seconds"), rng.choice(STATUSES),
             CATEGORIES[i % len(CATEGORIES)], f"Prompt {i}: " + " ".join(rng.choices(PIECES, k=40)), "local",
             "SmolLM2-135M-Instruct", "ngram", "fair", json.dumps({"max_new_tokens": 256, "temperature": 0.0, "k": 4}),
-            "".join(rng.choices(PIECES, k=n["baseline"])), "".join(rng.choices(PIECES, k=n["speculative"])),
-            json.dumps(metrics["baseline"]), json.dumps(metrics["speculative"]), json.dumps({"speedup": speedup}),
-            speedup, rng.uniform(0.3, 0.9), rng.choice([0, 1]), rng.choice([0, 1]),
+            json.dumps({"speedup": speedup}), speedup, rng.uniform(0.3, 0.9), rng.choice([0, 1]), rng.choice([0, 1]),
         ))
+        engine_rows += [(run_id, e, e, "ngram" if e == "speculative" else "none",
+                         "".join(rng.choices(PIECES, k=n[e])), json.dumps(metrics[e])) for e in n]
     conn = sqlite3.connect(path)
     with conn:  # one transaction
         conn.executemany(
             "INSERT INTO runs (id, created_at, status, category, prompt, backend, target_model, method, mode, "
-            "settings, baseline_output, speculative_output, baseline_metrics, speculative_metrics, comparison, "
-            "speedup, acceptance_rate, identical, noisy) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
-            "?, ?)", run_rows)
+            "settings, comparison, speedup, acceptance_rate, identical, noisy) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
+            "?, ?, ?, ?, ?)", run_rows)
+        conn.executemany("INSERT INTO engines (run_id, engine, label, method, settings, output, metrics) VALUES "
+                         "(?, ?, ?, ?, '{}', ?, ?)", engine_rows)
         conn.execute("CREATE TEMP TABLE lengths (run_id TEXT, engine TEXT, n INTEGER)")
         conn.executemany("INSERT INTO temp.lengths VALUES (?, ?, ?)", lengths)
         conn.execute("CREATE TEMP TABLE pieces (i INTEGER PRIMARY KEY, text TEXT)")

@@ -126,10 +126,10 @@ def test_run_history_and_csv(console, page, tmp_path):
 
     saved = History(db)
     spec = saved.results(saved.runs()[0]["id"])["speculative"].metrics
-    bars = " · ".join(f"{i}: {n}" for i, n in enumerate(spec["acceptance_histogram"]))
-    assert bars and bars in figures and f"{spec['steps_accepting_nothing']:.0%} of the steps accepted nothing" in figures
+    bars = " · ".join(f"{i}: {n}" for i, n in enumerate(spec.acceptance_histogram))
+    assert bars and bars in figures and f"{spec.steps_accepting_nothing:.0%} of the steps accepted nothing" in figures
     assert re.search(r"ignored drafts \(cut off by a stop\)\s+\d+", figures)
-    split = " | ".join(f"{spec[k] / 1000:.2f}" for k in ("drafting_ms", "verifying_ms", "other_ms"))
+    split = " | ".join(f"{getattr(spec, k) / 1000:.2f}" for k in ("drafting_ms", "verifying_ms", "other_ms"))
     assert re.search(r"time: drafting \| target passes \| other \(s\)\s+" + re.escape(split), figures)
     # the tokens chart has drawn a line per engine
     expect(page.locator("#chart-tokens g.trace.scatter")).to_have_count(2, timeout=30_000)

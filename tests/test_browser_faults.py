@@ -289,8 +289,8 @@ def test_two_tabs_run_one_after_the_other(console, new_page):
 
 def _completed_runs(db: Path) -> list[tuple]:
     """Everything about the completed runs, their token events summed up."""
-    return db_rows(db, """SELECT r.id, r.status, r.finished_at, r.baseline_output, r.speculative_output, r.comparison,
-                                 t.n, t.ids, t.chars
+    return db_rows(db, """SELECT r.id, r.status, r.finished_at, (SELECT group_concat(output, '|') FROM engines
+                                 WHERE run_id = r.id), r.comparison, t.n, t.ids, t.chars
                           FROM runs r LEFT JOIN (SELECT run_id, count(*) AS n, sum(token_id) AS ids,
                                                         total(length(text)) AS chars FROM tokens GROUP BY run_id) t
                           ON t.run_id = r.id WHERE r.status = 'completed' ORDER BY r.id""")
@@ -314,9 +314,11 @@ def test_kill_9_mid_run_keeps_what_it_had_streamed(console, new_page):
 
     c.start()  # the next start, on the same file
     page = new_page(c.url)
-    row = db_rows(c.db, "SELECT status, error, baseline_output, speculative_output FROM runs WHERE id = ?", [run_id])[0]
+    row = db_rows(c.db, "SELECT status, error FROM runs WHERE id = ?", [run_id])[0]
     assert row[0] == "interrupted" and "ended before the run did" in row[1]
-    for engine, output in (("baseline", row[2]), ("speculative", row[3])):
+    outputs = dict(db_rows(c.db, "SELECT engine, output FROM engines WHERE run_id = ?", [run_id]))
+    assert sorted(outputs) == ["baseline", "speculative"]
+    for engine, output in outputs.items():
         shown, text = seen[engine]
         saved = db_rows(c.db, "SELECT count(*) FROM tokens WHERE run_id = ? AND engine = ?", [run_id, engine])[0][0]
         assert saved >= shown, f"{engine}: the page showed {shown} tokens, {saved} were saved"
@@ -419,7 +421,8 @@ def test_two_consoles_on_one_history_file_each_run_their_own_engines(tmp_path):
             job = Client(c.url, verbose=False).submit("Name three colours.", None, "ngram", 3, False, 0.0, 0, False, 0.0, 1.0, 12, 0,
                                 "fair", True, [], api_name="/run")
             list(job)
-        rows = db_rows(db, "SELECT status, baseline_metrics FROM runs WHERE prompt = 'Name three colours.'")
+        rows = db_rows(db, "SELECT r.status, e.metrics FROM runs r JOIN engines e ON e.run_id = r.id AND "
+                           "e.engine = 'baseline' WHERE r.prompt = 'Name three colours.'")
         assert [r[0] for r in rows] == ["completed", "completed"]
         assert sorted(json.loads(r[1])["engine_pid"] for r in rows) == sorted(pids)
     finally:

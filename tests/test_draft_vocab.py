@@ -110,7 +110,7 @@ def test_greedy_output_identical_with_a_pruned_head(tiny_pair, smol_tokenizer, n
                     and s.steps[t.step].drafter == "draft"}
     assert model_drafts and model_drafts <= set(ids.tolist())
     if n == 24:
-        assert s.metrics["acceptance_rate"] < 0.5
+        assert s.metrics.acceptance_rate < 0.5
 
 
 def test_the_backend_builds_each_pruned_head_once(backend, small_corpus):

@@ -43,9 +43,9 @@ def test_the_engines_passes_run_in_the_engine_process(engines, tmp_path):
     assert isinstance(engines, Backend) and engines.capabilities.fair_strategy == "alternate"
     history = History(tmp_path / "h.db")
     comp = run_to_end(Comparison(engines, request(), "fair", history, engines.describe()))
-    pids = {e: r.metrics["engine_pid"] for e, r in comp.results.items()}
+    pids = {e: r.metrics.engine_pid for e, r in comp.results.items()}
     assert pids == {"baseline": engines.pid, "speculative": engines.pid} and engines.pid != os.getpid()
-    assert history.results(comp.run_id)["baseline"].metrics["engine_pid"] == engines.pid  # saved with the run
+    assert history.results(comp.run_id)["baseline"].metrics.engine_pid == engines.pid  # saved with the run
     assert comp.comparison()["identical"]
 
 
@@ -57,7 +57,7 @@ def test_the_engine_process_gives_what_the_backend_gives_in_process(engines, bac
     req = request(max_new=64, method=method)
     there = run_to_end(Comparison(engines, req, "fair", None, {})).results
     here = run_to_end(Comparison(backend, req, "fair", None, {})).results
-    assert not there["speculative"].error and there["speculative"].metrics["drafted"] > 0
+    assert not there["speculative"].error and there["speculative"].metrics.drafted > 0
     for e in ("baseline", "speculative"):
         assert there[e].output_ids == here[e].output_ids
         assert [(s.drafted, s.accepted) for s in there[e].steps] == [(s.drafted, s.accepted) for s in here[e].steps]
@@ -198,7 +198,7 @@ def test_one_device_split_in_two_engine_processes_each_held_to_its_share(backend
         assert (memory["baseline"]["share"], memory["speculative"]["share"]) == (0.3, 0.6)
         assert split.capabilities.fair_strategy == "alternate"  # a CPU: the engines share its cores
         comp = run_to_end(Comparison(split, request(), "fair", None, {}))
-        pids = {e: r.metrics["engine_pid"] for e, r in comp.results.items()}
+        pids = {e: r.metrics.engine_pid for e, r in comp.results.items()}
         assert pids == {"baseline": split.baseline_engines.pid, "speculative": split.speculative_engines.pid}
         assert len({*pids.values(), os.getpid()}) == 3
         here = run_to_end(Comparison(backend, request(), "fair", None, {})).results

@@ -48,7 +48,7 @@ def test_draft_model_fixed_k(tiny_pair, smol_tokenizer, k):
     kinds = {t.kind for t in s.tokens}
     # the draft is right only part of the time: every kind of token must have occurred
     assert {TokenKind.ACCEPTED, TokenKind.REJECTED, TokenKind.RECOVERED} <= kinds
-    assert s.metrics["target_passes"] < b.metrics["target_passes"] == 60
+    assert s.metrics.target_passes < b.metrics.target_passes == 60
 
 
 def test_dynamic_k_and_fallback(tiny_pair, smol_tokenizer):
@@ -94,7 +94,7 @@ def test_token_tree(tiny_pair, smol_tokenizer, k, per_token):
     events = {st.step: [(t.kind, t.position) for t in s.tokens if t.step == st.step] for st in s.steps}
     won = [st for st in s.steps if any((TokenKind.ACCEPTED, p) in events[st.step]
                                        for kind, p in events[st.step] if kind == TokenKind.REJECTED)]
-    assert won and len(won) == s.metrics["tree_accepted"]
+    assert won and len(won) == s.metrics.tree_accepted
     for st in won:
         at = st.accepted - 1  # the alternative's position
         expected = ([(TokenKind.ACCEPTED, i) for i in range(at)]
@@ -131,7 +131,7 @@ def test_token_tree_branch_after_accepted_drafts(tiny_pair, smol_tokenizer):
     assert s.output_ids == b.output_ids
     later = s.steps[1:-1]  # step 0 reads the prompt (no tree); the last may be cut short by the token limit
     assert later and all(st.drafted == 2 and st.accepted == 2 and st.emitted == 3 for st in later)
-    assert s.metrics["tree_accepted"] == len(s.steps) - 1
+    assert s.metrics.tree_accepted == len(s.steps) - 1
     kinds = [(t.kind, t.position) for t in s.tokens if t.step == 1]
     assert kinds == [(TokenKind.ACCEPTED, 0), (TokenKind.REJECTED, 1), (TokenKind.ACCEPTED, 1), (TokenKind.BONUS, 2)]
 
@@ -143,7 +143,7 @@ def test_ngram(tiny_pair, smol_tokenizer, k):
     b = baseline(target, smol_tokenizer, PROMPT, stops)
     s = speculative(target, smol_tokenizer, NgramProposer(1, 3), PROMPT, stops, fixed(k))
     assert s.output_ids == b.output_ids
-    assert s.metrics["drafted"] > 0
+    assert s.metrics.drafted > 0
 
 
 @pytest.mark.parametrize("min_match,dynamic", [(2, False), (1, True)])
@@ -245,5 +245,5 @@ def test_stop_string_in_the_middle_of_a_step(tiny_pair, smol_tokenizer):
     # the stop cut the last step after t's position: its drafts after that are ignored, the ones before accepted
     last = s.steps[-1]
     assert (last.accepted, last.emitted, last.ignored) == (t.position + 1, t.position + 1, 4 - t.position - 1)
-    assert s.metrics["ignored_drafts"] == 4 - t.position - 1
-    assert all(step.ignored == 0 for step in s.steps[:-1]) and free.metrics["ignored_drafts"] == 0
+    assert s.metrics.ignored_drafts == 4 - t.position - 1
+    assert all(step.ignored == 0 for step in s.steps[:-1]) and free.metrics.ignored_drafts == 0

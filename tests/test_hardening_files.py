@@ -15,6 +15,7 @@ import pytest
 from markdown_it import MarkdownIt
 
 from engine.events import RunResult, TokenEvent, TokenKind
+from engine.run_metrics import RunMetrics
 from specconsole.advisor import advise
 from specconsole.history import History
 from specconsole.suites import PROMPTS_DIR, load_suite, suite_items
@@ -41,7 +42,7 @@ def save_run(history: History, suite_id: str | None = None, category: str = "cod
         r = RunResult(engine, method, 3, output_text="ab", finish_reason="length")
         r.tokens = [TokenEvent(TokenKind.BASELINE if engine == "baseline" else TokenKind.ACCEPTED, 7, t, 1, i, 0.1 * i,
                                i) for i, t in enumerate("ab")]
-        r.metrics = {"tokens_per_s": tps, "output_tokens": 2, "acceptance_rate": 0.5, "mean_accepted_length": 1.5}
+        r.metrics = RunMetrics(tokens_per_s=tps, output_tokens=2, acceptance_rate=0.5, mean_accepted_length=1.5)
         results[engine] = r
     comparisons = {"speculative-2": {"identical": True, "speedup": 1.2}} if extra else None
     history.finish_run(run_id, "completed", results, {"speedup": speedup, "identical": True}, comparisons=comparisons)
@@ -186,11 +187,12 @@ def test_history_figures_that_are_not_numbers_render_as_text(tmp_path):
                                                   "nll_baseline": IMG_HTML, "nll_speculative": 1.0,
                                                   "perplexity_baseline": 1.0, "perplexity_speculative": IMG_MD,
                                                   "sampling_check": "ok", "noisy": False, "other_cores": IMG_HTML}
-    metrics = json.loads(row["speculative_metrics"]) | {
+    metrics = history.engines(run_id)["speculative"]["metrics"] | {
         "tree_accepted": IMG_HTML, "fallback_count": IMG_HTML, "passes_saved": IMG_HTML, "output_tokens": IMG_HTML,
         "tokens_per_s": IMG_HTML, "vllm_time_to_first_token_ms": 1.0, "provisional_accuracy": IMG_HTML}
-    tamper(history, "UPDATE runs SET comparison = ?, speculative_metrics = ? WHERE id = ?",
-           [json.dumps(comparison), json.dumps(metrics), run_id])
+    tamper(history, "UPDATE runs SET comparison = ? WHERE id = ?", [json.dumps(comparison), run_id])
+    tamper(history, "UPDATE engines SET metrics = ? WHERE run_id = ? AND engine = 'speculative'",
+           [json.dumps(metrics | {"server_counters": IMG_HTML}), run_id])
     tamper(history, "UPDATE engines SET comparison = ? WHERE run_id = ? AND engine = 'speculative-2'",
            [json.dumps({"identical": False, "first_divergence": IMG_HTML, "speedup": IMG_HTML}), run_id])
     tamper(history, "UPDATE tokens SET p = ?, q = ? WHERE run_id = ?", [IMG_HTML, IMG_HTML, run_id])

@@ -2,6 +2,7 @@
 file is a clear error, runs are deleted; and the CSV export's cells cannot run as formulas (specconsole.export)."""
 
 import sqlite3
+from pathlib import Path
 
 import pytest
 
@@ -45,3 +46,33 @@ def test_delete(tmp_path):
     history.delete([gone])
     assert [r["id"] for r in history.runs()] == [keep]
     assert sqlite3.connect(tmp_path / "h.db").execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_every_csv_figure_is_a_run_metric_and_documented():
+    """The CSVs' per-engine figures are named once (specconsole.columns), each a RunMetrics field, each explained in
+    docs/history.md's table of CSV columns."""
+    from dataclasses import fields
+
+    from engine.run_metrics import RunMetrics
+    from specconsole.columns import ENGINE_FIGURES
+
+    assert set(ENGINE_FIGURES) <= {f.name for f in fields(RunMetrics)}
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "history.md").read_text()
+    table = doc.split("## The CSV files")[1].split("\n## ")[0]
+    assert [k for k in ENGINE_FIGURES if f"`{k}`" not in table] == []
+
+
+def test_a_history_file_of_a_newer_schema_is_refused_untouched(tmp_path):
+    from specconsole.history import SCHEMA_VERSION
+
+    path = tmp_path / "h.db"
+    History(path).db.conn.close()
+    conn = sqlite3.connect(path)
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    conn.commit()
+    conn.close()
+    with pytest.raises(HistoryError, match="newer SpecConsole"):
+        History(path)
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION + 1
+    conn.close()

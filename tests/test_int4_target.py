@@ -168,7 +168,7 @@ def test_an_int4_gguf_target_is_stored_mapped_and_greedy_exact(tmp_path, monkeyp
         b, s = run(backend, req, "baseline"), run(backend, req, "speculative")
         c = compare(b, s, greedy=True)
         assert c["identical"], f"first divergence at token {c['first_divergence']}"
-        assert s.metrics["accepted"] > 0
+        assert s.metrics.accepted > 0
 
 
 def test_the_default_is_int4_where_its_kernel_runs_and_float32_where_it_cannot(tmp_path, smol_tokenizer, monkeypatch):

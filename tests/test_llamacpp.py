@@ -68,13 +68,13 @@ def test_greedy_baseline_vs_speculative_through_the_protocol(managed):
             b, s = base.output_ids, spec.output_ids
             differ = [i for i in range(max(len(b), len(s))) if i >= min(len(b), len(s)) or b[i] != s[i]]
             assert c["identical"] == (not differ) and c["first_divergence"] == (differ[0] if differ else None)
-            assert spec.metrics["divergence_note"] == DIVERGENCE_NOTE
+            assert spec.metrics.divergence_note == DIVERGENCE_NOTE
             # streamed as they came: one event per token, every kind final, nothing to reclassify
             tokens = [e for e in events if isinstance(e, TokenEvent)]
             assert [t.token_id for t in tokens] == spec.output_ids
             assert not any(isinstance(e, Reclassified) for e in events)
             assert all(t.kind != TokenKind.PENDING and not t.provisional for t in tokens)
-            assert base.metrics["tokens_per_s"] > 0 and spec.metrics["tokens_per_s"] > 0
+            assert base.metrics.tokens_per_s > 0 and spec.metrics.tokens_per_s > 0
 
 
 def test_marks_agree_with_the_engines_own_counts(managed):
@@ -84,11 +84,11 @@ def test_marks_agree_with_the_engines_own_counts(managed):
         for prompt in PROMPTS:
             _, r = run(managed.speculative(Request(prompt=prompt, max_new_tokens=32), engine=engine))
             m = r.metrics
-            assert m["highlighting"].startswith("exact")
+            assert m.highlighting.startswith("exact")
             kinds = [t.kind for t in r.tokens]
-            assert kinds.count(TokenKind.ACCEPTED) == m["accepted"] == m["llamacpp_accepted"]
-            assert sum(s.drafted for s in r.steps) == m["drafted"] == m["llamacpp_drafted"]
-            assert sum(s.emitted for s in r.steps) == len(r.tokens) and m["target_passes"] == len(r.steps)
+            assert kinds.count(TokenKind.ACCEPTED) == m.accepted == m.server["accepted"]
+            assert sum(s.drafted for s in r.steps) == m.drafted == m.server["drafted"]
+            assert sum(s.emitted for s in r.steps) == len(r.tokens) and m.target_passes == len(r.steps)
             for step in r.steps:
                 mine = [t.kind for t in r.tokens if t.step == step.step]
                 if step.drafted == 0:
@@ -147,8 +147,8 @@ def test_attach_to_running_servers_with_an_api_key(smol, tmp_path):
         req = Request(prompt=PROMPTS[0], max_new_tokens=16)
         _, base = run(backend.baseline(req))
         _, spec = run(backend.speculative(req))
-        assert base.error is None and spec.error is None and spec.metrics["highlighting"].startswith("exact")
-        assert spec.metrics["llamacpp_drafted"] > 0
+        assert base.error is None and spec.error is None and spec.metrics.highlighting.startswith("exact")
+        assert spec.metrics.server["drafted"] > 0
         assert backend.capabilities.concurrent_requests  # two slots each: the concurrency sweep runs
         tokens, seconds = backend.throughput("baseline", ["Say hi.", "Say bye."], 8)
         assert 2 <= tokens <= 16 and seconds > 0
@@ -249,7 +249,7 @@ def test_counts_that_do_not_add_up_leave_tokens_pending_never_guessed():
         backend = LlamaCppBackend({"baseline": server.url, "speculative": server.url}, {})
         result = list(backend.speculative(Request(prompt="x", max_new_tokens=8)))[-1]
         assert [t.kind for t in result.tokens] == [TokenKind.BASELINE, TokenKind.ACCEPTED, TokenKind.PENDING]
-        assert result.metrics["target_passes"] is None and "pending" in result.metrics["highlighting"]
+        assert result.metrics.target_passes is None and "pending" in result.metrics.highlighting
     finally:
         server.shutdown()
 
@@ -355,9 +355,10 @@ def test_default_pair_end_to_end_shows_a_divergence(tmp_path):
         _, base = run(backend.baseline(req))
         _, spec = run(backend.speculative(req))
         assert base.error is None and spec.error is None
-        assert spec.metrics["highlighting"].startswith("exact") and spec.metrics["llamacpp_drafted"] > 0
+        assert spec.metrics.highlighting.startswith("exact") and spec.metrics.server["drafted"] > 0
         assert backend.describe() == {"backend": "llamacpp", "target_model": Path(target).name,
-                                      "draft_model": Path(draft).name, "method": "llamacpp-draft"}
+                                      "draft_model": Path(draft).name, "method": "llamacpp-draft",
+                                      "label": "llamacpp-draft"}
         c = compare(base, spec, greedy=True)
         b, s = base.output_ids, spec.output_ids
         assert not c["identical"] and b[:c["first_divergence"]] == s[:c["first_divergence"]]
@@ -365,7 +366,7 @@ def test_default_pair_end_to_end_shows_a_divergence(tmp_path):
         html = figures_html(base, spec, c, "fair", None)
         assert f"first divergence at token {c['first_divergence']}" in html and "batched pass" in html
         print(f"default pair: speculative/baseline tok/s {c['speedup']:.2f}, acceptance "
-              f"{spec.metrics['acceptance_rate']:.2f}, first divergence {c['first_divergence']}")
+              f"{spec.metrics.acceptance_rate:.2f}, first divergence {c['first_divergence']}")
     finally:
         backend.close()
 

@@ -83,7 +83,7 @@ def test_the_managed_engines_run_this_build_and_say_so(build, smol, tmp_path):
         plain = list(backend.baseline(req))[-1]
         spec = list(backend.speculative(req))[-1]
         assert [t.token_id for t in spec.tokens] == [t.token_id for t in plain.tokens]
-        assert spec.metrics["drafted"] > 0  # llama-server really drafted (with its draft model, K=4)
+        assert spec.metrics.drafted > 0  # llama-server really drafted (with its draft model, K=4)
     finally:
         backend.close()
     assert not any(e.alive() for e in backend.servers)

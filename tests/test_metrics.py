@@ -2,6 +2,8 @@
 
 from dataclasses import replace
 
+import json
+
 import pytest
 
 from engine.events import PolicyEvent, RunResult, StepRecord, TokenEvent, TokenKind
@@ -48,19 +50,19 @@ def scripted_baseline(n=9, step_ms=100.0, dt=0.1) -> RunResult:
 
 def test_run_metrics_by_hand():
     m = run_metrics(scripted_speculative())
-    assert m["output_tokens"] == 9  # 1 + 5 + 2 + 1
-    assert m["target_passes"] == 4 and m["baseline_passes"] == 9 and m["passes_saved"] == 5
-    assert m["drafted"] == 12 and m["accepted"] == 5
-    assert m["acceptance_rate"] == pytest.approx(5 / 12)
+    assert m.output_tokens == 9  # 1 + 5 + 2 + 1
+    assert m.target_passes == 4 and m.baseline_passes == 9 and m.passes_saved == 5
+    assert m.drafted == 12 and m.accepted == 5
+    assert m.acceptance_rate == pytest.approx(5 / 12)
     # position 0 accepted in steps 1 and 2 of 3; positions 1..3 only in step 1
-    assert m["per_position_acceptance"] == pytest.approx([2 / 3, 1 / 3, 1 / 3, 1 / 3])
-    assert m["mean_accepted_length"] == pytest.approx(1 + 5 / 3)
-    assert m["ttft_ms"] == pytest.approx(100.0)
-    assert m["tpot_ms"] == pytest.approx(1000 * (0.70 - 0.10) / 8)
-    assert m["tokens_per_s"] == pytest.approx(9 / 0.8)
-    assert m["draft_ms_per_token"] == pytest.approx(120 / 12)
-    assert m["verify_ms_mean"] == pytest.approx(160.0)
-    assert m["fallback_count"] == 1 and m["rejected_tokens"] == 7
+    assert m.per_position_acceptance == pytest.approx([2 / 3, 1 / 3, 1 / 3, 1 / 3])
+    assert m.mean_accepted_length == pytest.approx(1 + 5 / 3)
+    assert m.ttft_ms == pytest.approx(100.0)
+    assert m.tpot_ms == pytest.approx(1000 * (0.70 - 0.10) / 8)
+    assert m.tokens_per_s == pytest.approx(9 / 0.8)
+    assert m.draft_ms_per_token == pytest.approx(120 / 12)
+    assert m.verify_ms_mean == pytest.approx(160.0)
+    assert m.fallback_count == 1 and m.rejected_tokens == 7
 
 
 def test_histogram_ignored_drafts_and_the_time_split_by_hand():
@@ -68,20 +70,20 @@ def test_histogram_ignored_drafts_and_the_time_split_by_hand():
     a planted stop that cut the last step after 2 of its drafts leaves the other 2 ignored."""
     r = scripted_speculative()
     m = run_metrics(r)
-    assert m["acceptance_histogram"] == [1, 1, 0, 0, 1]  # one step each accepted 0, 1 and 4
-    assert m["steps_accepting_nothing"] == pytest.approx(1 / 3)
-    assert m["ignored_drafts"] is None  # the steps do not say: unknown, not 0
+    assert m.acceptance_histogram == [1, 1, 0, 0, 1]  # one step each accepted 0, 1 and 4
+    assert m.steps_accepting_nothing == pytest.approx(1 / 3)
+    assert m.ignored_drafts is None  # the steps do not say: unknown, not 0
     # drafting 3 x 40 ms, passes 100 + 3 x 160 ms, in a run of 800 ms
-    assert (m["drafting_ms"], m["verifying_ms"], m["other_ms"]) == pytest.approx((120.0, 580.0, 100.0))
+    assert (m.drafting_ms, m.verifying_ms, m.other_ms) == pytest.approx((120.0, 580.0, 100.0))
     r.steps = [replace(s, ignored=0) for s in r.steps]
     r.steps[-1] = replace(r.steps[-1], accepted=2, emitted=2, ignored=2)
     m = run_metrics(r)
-    assert m["ignored_drafts"] == 2 and m["acceptance_histogram"] == [0, 1, 1, 0, 1]
-    assert m["steps_accepting_nothing"] == 0
+    assert m.ignored_drafts == 2 and m.acceptance_histogram == [0, 1, 1, 0, 1]
+    assert m.steps_accepting_nothing == 0
     # a server's steps carry no timings: the split is unknown, not all "other"
     r.steps = [replace(s, draft_ms=0.0, verify_ms=0.0) for s in r.steps]
-    assert run_metrics(r)["drafting_ms"] is run_metrics(r)["other_ms"] is None
-    assert run_metrics(scripted_baseline())["acceptance_histogram"] == []
+    assert run_metrics(r).drafting_ms is run_metrics(r).other_ms is None
+    assert run_metrics(scripted_baseline()).acceptance_histogram == []
 
 
 def test_a_speculative_engine_that_drafts_nothing_says_so():
@@ -111,10 +113,10 @@ def test_step_0_with_drafts():
     r.steps = [StepRecord(0, 3, 2, 3, 90.0, 900.0, 1.0), StepRecord(1, 1, 1, 2, 30.0, 170.0, 1.2)]
     r.prefill_ms, r.total_s = 900.0, 1.2
     m = run_metrics(r)
-    assert m["drafted"] == 4 and m["accepted"] == 3 and m["steps"] == 2
-    assert m["draft_ms_per_token"] == pytest.approx(30.0) and m["verify_ms_mean"] == pytest.approx(170.0)
-    assert m["decode_tokens_per_s"] == pytest.approx(2 / 0.2)  # tokens 4-5 in the 0.2 s after step 0
-    assert m["ttft_ms"] == pytest.approx(1000.0)
+    assert m.drafted == 4 and m.accepted == 3 and m.steps == 2
+    assert m.draft_ms_per_token == pytest.approx(30.0) and m.verify_ms_mean == pytest.approx(170.0)
+    assert m.decode_tokens_per_s == pytest.approx(2 / 0.2)  # tokens 4-5 in the 0.2 s after step 0
+    assert m.ttft_ms == pytest.approx(1000.0)
 
 
 def test_theory():
@@ -147,3 +149,21 @@ def test_first_divergence():
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
     assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_metrics_saved_by_older_versions_read_into_their_type():
+    """A history file keeps metrics as JSON; older versions saved a server's own figures under prefixed names and
+    the vLLM counters untyped. They read into RunMetrics, and a saved RunMetrics reads back equal."""
+    from engine.run_metrics import RunMetrics, ServerCounters
+
+    m = run_metrics(scripted_speculative())
+    assert RunMetrics.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    old = {"output_tokens": 9, "acceptance_rate": 0.5, "vllm_time_to_first_token_ms": 12.5,
+           "vllm_completion_tokens": 9, "llamacpp_drafted": 8, "a_figure_since_dropped": "x",
+           "server_delta": {"num_drafts": 3.0, "num_draft_tokens": 12.0, "num_accepted_tokens": 5.0},
+           "server_per_position_acceptance": [0.5, 0.25]}
+    m = RunMetrics.from_dict(old)
+    assert (m.output_tokens, m.acceptance_rate) == (9, 0.5)
+    assert m.server == {"time_to_first_token_ms": 12.5, "completion_tokens": 9, "drafted": 8}
+    assert m.server_counters == ServerCounters(3.0, 12.0, 5.0, [0.5, 0.25])
+    assert RunMetrics.from_dict(None) == RunMetrics()

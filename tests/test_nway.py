@@ -95,14 +95,14 @@ def test_three_engine_run_round_trips_through_the_history(backend, tmp_path):
     meta = {"category": "code", "backend": "local", "method": "draft"}
     comp = run_to_end(Comparison(backend, base, "fair", history, meta, extra=extra, label="draft dynamic K"))
     row = history.run(comp.run_id)
-    assert row["status"] == "completed" and row["identical"] == 1  # the two-engine columns, as before
-    assert row["speculative_output"] == comp.results["speculative"].output_text
+    assert row["status"] == "completed" and row["identical"] == 1  # the headline figures
+    assert history.engines(comp.run_id)["speculative"]["output"] == comp.results["speculative"].output_text
     rebuilt = history.results(comp.run_id)
     assert list(rebuilt) == ["baseline", "speculative", "speculative-2"]
     for engine, live in comp.results.items():
         assert [t.to_dict() for t in rebuilt[engine].tokens] == [t.to_dict() for t in live.tokens]
         assert rebuilt[engine].steps == live.steps and rebuilt[engine].output_text == live.output_text
-        assert rebuilt[engine].metrics == json.loads(json.dumps(live.metrics))
+        assert rebuilt[engine].metrics == live.metrics
     assert rebuilt["speculative-2"].method == "ngram"
     saved = history.engines(comp.run_id)
     assert [(e, r["label"], r["method"]) for e, r in saved.items()] == [
@@ -141,7 +141,7 @@ def test_interrupted_nway_run_keeps_each_engines_streamed_output(backend, tmp_pa
     assert saved["speculative-2"]["output"] == comp.results["speculative-2"].output_text
     rebuilt = reopened.results(run_id)
     assert list(rebuilt) == ["baseline", "speculative", "speculative-2"]
-    assert rebuilt["speculative-2"].metrics["output_tokens"] == 10
+    assert rebuilt["speculative-2"].metrics.output_tokens == 10
 
 
 def _old_history_module():
@@ -163,18 +163,25 @@ def test_a_database_of_the_old_schema_opens_with_its_runs_intact(backend, tmp_pa
     comp = Comparison(backend, req, "fair", None, {})
     run_to_end(comp)
     run_id = old_history.start_run(mode="fair", prompt=req.prompt, method="draft", category="chat")
-    old_history.finish_run(run_id, "completed", comp.results, comp.comparison())
+    # the old code saved the metrics as a dict
+    as_dicts = {e: replace(r, metrics=r.metrics.to_dict()) for e, r in comp.results.items()}
+    old_history.finish_run(run_id, "completed", as_dicts, comp.comparison())
     before = comp.results  # what the old code saved (its own reader knows only the step fields of its day)
     old_history.db.conn.close()
     assert "engines" not in sqlite_tables(path)
 
-    history = History(path)  # the new code: gains the engines table, keeps the run
-    assert "engines" in sqlite_tables(path)
-    assert history.run(run_id)["status"] == "completed" and history.engines(run_id) == {}
+    history = History(path)  # the new code migrates it to its schema: the engines table holds both engines
+    assert "engines" in sqlite_tables(path) and history.db.execute("PRAGMA user_version").fetchone()[0] == 2
+    assert not {"baseline_output", "speculative_metrics"} & set(history.db["runs"].columns_dict)
+    assert history.run(run_id)["status"] == "completed"
+    saved = history.engines(run_id)
+    assert list(saved) == ["baseline", "speculative"] and saved["speculative"]["method"] == "draft"
+    assert saved["speculative"]["comparison"] == json.loads(json.dumps(comp.comparison()))
     after = history.results(run_id)
     assert list(after) == ["baseline", "speculative"]
     for engine in before:
         assert [t.to_dict() for t in after[engine].tokens] == [t.to_dict() for t in before[engine].tokens]
+        assert after[engine].output_text == before[engine].output_text
         assert after[engine].metrics == before[engine].metrics and after[engine].method == before[engine].method
     # and a new three-engine run sits beside it
     new = run_to_end(Comparison(backend, req, "fair", history, {"method": "draft"},

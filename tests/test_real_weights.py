@@ -113,8 +113,8 @@ def test_ngram_greedy_identical(smol, prompt):
 def test_ngram_accepts_on_copying_prompt(smol):
     req = Request(prompt=PROMPTS[1], max_new_tokens=48, method="ngram", k=4)
     s = run(smol, req, "speculative")
-    assert s.metrics["accepted"] > 5
-    assert s.metrics["target_passes"] < s.metrics["output_tokens"]
+    assert s.metrics.accepted > 5
+    assert s.metrics.target_passes < s.metrics.output_tokens
 
 
 @pytest.mark.parametrize("dynamic_k", [False, True])
@@ -122,7 +122,7 @@ def test_int8_self_draft_greedy_identical(smol_self_draft, dynamic_k):
     req = Request(prompt=PROMPTS[0], max_new_tokens=40, method="draft", k=4, dynamic_k=dynamic_k, fallback=dynamic_k)
     b, s = run(smol_self_draft, req, "baseline"), run(smol_self_draft, req, "speculative")
     assert s.output_ids == b.output_ids
-    assert s.metrics["acceptance_rate"] > 0.5  # an int8 copy agrees with its float32 original most of the time
+    assert s.metrics.acceptance_rate > 0.5  # an int8 copy agrees with its float32 original most of the time
     assert {t.kind for t in s.output_tokens} & {TokenKind.ACCEPTED, TokenKind.BONUS}
 
 
@@ -138,9 +138,9 @@ def test_token_tree_greedy_identical(smol_self_draft):
         b, tree = run(smol_self_draft, req, "baseline"), run(smol_self_draft, req, "speculative")
         chain = run(smol_self_draft, replace(req, token_tree=False), "speculative")
         assert tree.output_ids == chain.output_ids == b.output_ids, prompt
-        assert tree.metrics["tree_accepted"] >= 1 and chain.metrics["tree_accepted"] == 0, prompt
-        passes["tree"] += tree.metrics["target_passes"]
-        passes["chain"] += chain.metrics["target_passes"]
+        assert tree.metrics.tree_accepted >= 1 and chain.metrics.tree_accepted == 0, prompt
+        passes["tree"] += tree.metrics.target_passes
+        passes["chain"] += chain.metrics.target_passes
     assert passes["tree"] < passes["chain"], passes
 
 
@@ -173,7 +173,7 @@ def test_pruned_draft_head_greedy_identical(smol_self_draft, method, prompt):
     drafted = {t.token_id for t in s.tokens if t.kind in (TokenKind.ACCEPTED, TokenKind.REJECTED)
                and s.steps[t.step].drafter == "draft"}
     assert drafted and drafted <= kept
-    assert s.metrics["acceptance_rate"] > 0.3  # the kept tokens cover most of what the draft proposes
+    assert s.metrics.acceptance_rate > 0.3  # the kept tokens cover most of what the draft proposes
 
 
 def test_pruned_int8_head_gives_the_full_heads_logits(smol_self_draft):

@@ -28,11 +28,13 @@ def test_provisional_tokens_are_marked_and_escaped():
 
 def test_provisional_accuracy_is_a_vllm_figure():
     from engine.events import RunResult
+    from engine.run_metrics import RunMetrics
+
     b, s = RunResult("baseline", "none", 0), RunResult("speculative", "ngram", 0)
-    b.metrics = {"vllm_time_to_first_token_ms": 5.0}
-    s.metrics = {"vllm_time_to_first_token_ms": 4.0, "provisional_accuracy": 0.75, "output_tokens": 12}
+    b.metrics = RunMetrics(server={"time_to_first_token_ms": 5.0})
+    s.metrics = RunMetrics(server={"time_to_first_token_ms": 4.0}, provisional_accuracy=0.75, output_tokens=12)
     assert "provisional kinds right" in (html := figures_html(b, s, {}, "fair", None)) and "75%" in html
-    s.metrics["provisional_accuracy"] = None
+    s.metrics.provisional_accuracy = None
     assert "unknown" in figures_html(b, s, {}, "fair", None).split("provisional kinds right")[1][:80]
     local = RunResult("speculative", "draft", 0)
     assert "provisional" not in figures_html(None, local, {}, "fair", None)  # not a figure of the local backend

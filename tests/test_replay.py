@@ -206,7 +206,7 @@ def test_replay_in_chromium_offline(real_run, browser, tmp_path):
     assert "identical to the baseline" in figures
     assert figures != figures_then
     # the steps by drafts accepted: live at the middle (steps up to then), whole at the end, as the console's metric
-    histogram = results["speculative"].metrics["acceptance_histogram"]
+    histogram = results["speculative"].metrics.acceptance_histogram
     assert " · ".join(f"{i}: {n}" for i, n in enumerate(histogram)) in figures
     assert re.search(r"drafts accepted per step\s+0: \d+", figures_then)
     # the charts grew: a line per engine through every output token, a pair of bars per verified step

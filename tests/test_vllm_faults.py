@@ -176,7 +176,7 @@ def test_a_well_formed_stream_is_classified_by_an_event(servers):
     servers[1].body = stream(spec=spec_counts([3, 1], [3, 2]))
     events, result, _ = run(attach(servers))
     assert result.error is None and result.finish_reason == "length"
-    assert result.metrics["highlighting"] == "exact"
+    assert result.metrics.highlighting == "exact"
     streamed = [e for e in events if isinstance(e, TokenEvent)]
     assert [t.kind for t in streamed] == [TokenKind.PENDING] * 6  # never changed after they were yielded
     assert isinstance(events[-2], Reclassified)
@@ -276,23 +276,23 @@ def test_counts_that_do_not_add_up_leave_the_tokens_unplaced(servers, case):
     assert result.error is None and result.finish_reason == "length"
     assert not any(isinstance(e, Reclassified) for e in events)
     m = result.metrics
-    assert result.steps == [] and m["provisional_accuracy"] is None and "tokens unplaced" in m["highlighting"]
+    assert result.steps == [] and m.provisional_accuracy is None and "tokens unplaced" in m.highlighting
     if config is None:  # K not known: nothing to guess with
         assert [t.kind for t in result.tokens] == [TokenKind.PENDING] * 6
-        assert "tokens stay pending" in m["highlighting"]
+        assert "tokens stay pending" in m.highlighting
     else:  # the guesses from chunk boundaries stay, marked provisional
         assert all(t.provisional for t in result.tokens) and TokenKind.PENDING not in {t.kind for t in result.tokens}
-        assert "tokens keep their provisional kinds" in m["highlighting"]
-    assert m["target_passes"] is None and m["passes_saved"] is None and m["mean_k"] is None
-    assert m["steps"] == len(drafted) and m["drafted"] == sum(drafted)  # the server's own counts are still shown
-    assert m["server_delta"]["num_drafts"] == 0.0  # /metrics was read before and after
+        assert "tokens keep their provisional kinds" in m.highlighting
+    assert m.target_passes is None and m.passes_saved is None and m.mean_k is None
+    assert m.steps == len(drafted) and m.drafted == sum(drafted)  # the server's own counts are still shown
+    assert m.server_counters.drafts == 0.0  # /metrics was read before and after
 
 
 def test_a_usage_chunk_without_counts_says_unknown(servers):
     servers[1].body = stream(spec={"num_spec_steps": 2})  # counts, but no per-step arrays
     events, result, _ = run(attach(servers))
     assert result.error is None and not any(isinstance(e, Reclassified) for e in events)
-    assert result.metrics["target_passes"] is None and "tokens stay pending" in result.metrics["highlighting"]
+    assert result.metrics.target_passes is None and "tokens stay pending" in result.metrics.highlighting
 
 
 # --- provisional kinds from chunk boundaries -------------------------------------------------------------------
@@ -336,12 +336,12 @@ def test_chunk_sizes_give_provisional_kinds_that_the_counts_confirm_or_correct(s
     sizes, (accepted, drafted), guessed, final, accuracy = PROVISIONAL_CASES[case]
     servers[1].body = chunked_stream(sizes, spec_counts(accepted, drafted))
     events, result, _ = run(attach(servers, DRAFT_MODEL))
-    assert result.error is None and result.metrics["highlighting"] == "exact"
+    assert result.error is None and result.metrics.highlighting == "exact"
 
     streamed = [e for e in events if isinstance(e, TokenEvent)]
     assert [t.kind for t in streamed] == guessed and all(t.provisional for t in streamed)
     assert [t.kind for t in result.tokens] == final and not any(t.provisional for t in result.tokens)
-    assert result.metrics["provisional_accuracy"] == pytest.approx(accuracy)
+    assert result.metrics.provisional_accuracy == pytest.approx(accuracy)
 
     # the console's copy: Reclassified gives the final kinds and clears the mark; the panel is re-sent from the
     # start once, even where every guess was right (the provisional mark goes)
@@ -361,7 +361,7 @@ def test_without_k_tokens_stream_pending_and_accuracy_is_unknown(servers):
     servers[1].body = chunked_stream([1, 4, 1], spec_counts([3, 0], [3, 2]))
     events, result, _ = run(attach(servers))
     assert {e.kind for e in events if isinstance(e, TokenEvent)} == {TokenKind.PENDING}
-    assert result.metrics["highlighting"] == "exact" and result.metrics["provisional_accuracy"] is None
+    assert result.metrics.highlighting == "exact" and result.metrics.provisional_accuracy is None
 
 
 def test_provisional_accuracy_is_saved_with_the_run_and_exported(servers, tmp_path):
@@ -379,7 +379,7 @@ def test_provisional_accuracy_is_saved_with_the_run_and_exported(servers, tmp_pa
         assert time.monotonic() < deadline
     assert comp.status == "completed", comp.error
     rebuilt = history.results(comp.run_id)["speculative"]
-    assert rebuilt.metrics["provisional_accuracy"] == 0.5
+    assert rebuilt.metrics.provisional_accuracy == 0.5
     assert rebuilt.tokens[4].kind == TokenKind.BONUS and not any(t.provisional for t in rebuilt.tokens)
     summary, tokens = export_csv(history, tmp_path)
     with open(summary, newline="") as f:
@@ -418,9 +418,9 @@ def test_a_stop_that_cuts_the_last_step_does_not_hide_a_plain_step(servers, size
     servers[1].body = chunked_stream(sizes, spec_counts([3], [3]), prompt_ids=[7, 101, 102, 103, 104])
     events, result, _ = run(attach(servers, speculative_config("ngram", 3)))
     assert [e.kind for e in events if isinstance(e, TokenEvent)] == guessed
-    assert result.metrics["highlighting"].startswith("exact (steps without drafts placed by replaying")
+    assert result.metrics.highlighting.startswith("exact (steps without drafts placed by replaying")
     assert [t.kind for t in result.tokens] == final and [t.step for t in result.tokens][:2] == [0, 1]
-    assert result.metrics["provisional_accuracy"] == pytest.approx(accuracy)
+    assert result.metrics.provisional_accuracy == pytest.approx(accuracy)
 
 
 # --- N-way: each extra speculative engine is a server of its own ----------------------------------------------------
@@ -457,8 +457,8 @@ def test_an_nway_comparison_streams_each_engine_from_its_own_server(four_servers
     results = comp.results
     assert {e: len(r.output_ids) for e, r in results.items()} == {"baseline": 6, "speculative": 6, "speculative-2": 3}
     assert [base.completions, main.completions, extra_a.completions, extra_b.completions] == [1, 1, 0, 1]
-    assert results["speculative-2"].metrics["accepted"] == 1 and results["speculative-2"].metrics["steps"] == 1
-    assert results["speculative-2"].metrics["highlighting"] == "exact"
+    assert results["speculative-2"].metrics.accepted == 1 and results["speculative-2"].metrics.steps == 1
+    assert results["speculative-2"].metrics.highlighting == "exact"
     saved = history.engines(comp.run_id)
     assert [(e, r["label"], r["method"]) for e, r in saved.items()] == [
         ("baseline", "baseline", "none"), ("speculative", "vLLM draft_model K=3", "draft_model"),
@@ -566,12 +566,13 @@ def test_server_figures_that_are_not_numbers_are_unknown(servers, caplog, tmp_pa
     servers[1].body = body[:-2] + [sse(usage), sse("[DONE]")]
     _, result, _ = run(attach(servers))
     m = result.metrics
-    assert result.error is None and "tokens unplaced" in m["highlighting"]
-    for key in ("acceptance_rate", "steps", "accepted", "mean_accepted_length", "vllm_completion_tokens",
-                "vllm_time_to_first_token_ms", "vllm_mean_itl_ms", "vllm_tokens_per_second"):
-        assert m[key] is None, key
-    assert m["drafted"] == 9  # the one count that is possible is kept
-    json.dumps(m, allow_nan=False)  # no NaN or infinity either
+    assert result.error is None and "tokens unplaced" in m.highlighting
+    for key in ("acceptance_rate", "steps", "accepted", "mean_accepted_length"):
+        assert getattr(m, key) is None, key
+    for key in ("completion_tokens", "time_to_first_token_ms", "mean_itl_ms", "tokens_per_second"):
+        assert m.server[key] is None, key
+    assert m.drafted == 9  # the one count that is possible is kept
+    json.dumps(m.to_dict(), allow_nan=False)  # no NaN or infinity either
     assert "draft_acceptance_rate" in caplog.text and "shown as unknown" in caplog.text
 
     servers[1].body = body[:-2] + [sse(usage), sse("[DONE]")]
@@ -583,7 +584,7 @@ def test_server_figures_that_are_not_numbers_are_unknown(servers, caplog, tmp_pa
     while not comp.poll(0.05):
         assert time.monotonic() < deadline
     assert comp.status == "completed", comp.error
-    assert history.results(comp.run_id)["speculative"].metrics["acceptance_rate"] is None
+    assert history.results(comp.run_id)["speculative"].metrics.acceptance_rate is None
     assert history.runs()[0]["acceptance_rate"] is None
 
 
@@ -602,8 +603,8 @@ def test_metrics_counters_that_are_not_numbers_are_unknown(servers, caplog, faul
     servers[1].metrics_page = METRICS_FAULTS[fault]
     servers[1].body = stream(spec=spec_counts([3, 1], [3, 2]))
     _, result, _ = run(attach(servers))
-    assert result.error is None and result.metrics["highlighting"] == "exact"  # the run itself is fine
-    assert result.metrics["server_delta"] is None and result.metrics["server_per_position_acceptance"] is None
+    assert result.error is None and result.metrics.highlighting == "exact"  # the run itself is fine
+    assert result.metrics.server_counters is None
     assert "/metrics" in caplog.text and "unknown" in caplog.text
 
 

@@ -80,12 +80,12 @@ def compared(backend, req, history=None) -> Comparison:
 
 
 def assert_exactly_classified(s: RunResult) -> None:
-    assert s.metrics["highlighting"].startswith("exact"), s.metrics["highlighting"]
+    assert s.metrics.highlighting.startswith("exact"), s.metrics.highlighting
     kinds = [t.kind for t in s.output_tokens]
     assert TokenKind.PENDING not in kinds and kinds[0] == TokenKind.BASELINE
-    assert sum(st.emitted for st in s.steps) == len(kinds) == s.metrics["vllm_completion_tokens"]
-    assert kinds.count(TokenKind.ACCEPTED) == s.metrics["accepted"]
-    assert s.metrics["drafted"] == s.metrics["server_delta"]["num_draft_tokens"]  # the request's own drafts
+    assert sum(st.emitted for st in s.steps) == len(kinds) == s.metrics.server["completion_tokens"]
+    assert kinds.count(TokenKind.ACCEPTED) == s.metrics.accepted
+    assert s.metrics.drafted == s.metrics.server_counters.draft_tokens  # the request's own drafts
 
 
 def compiles(backend: VLLMBackend) -> list[int]:
@@ -103,7 +103,7 @@ def test_first_sampled_run_is_as_fast_as_the_next(vllm):
     ttft = []
     for seed in (1, 2):
         results = compared(vllm, sampled(CHAT_PROMPT, seed, max_new_tokens=8)).results
-        ttft.append(max(r.metrics["ttft_ms"] for r in results.values()))
+        ttft.append(max(r.metrics.ttft_ms for r in results.values()))
         assert compiles(vllm) == warm, f"run {seed} compiled (baseline, speculative): {compiles(vllm)} after {warm}"
     log.info("TTFT of the first and second run after start-up: %.0f ms, %.0f ms", *ttft)
 
@@ -126,17 +126,17 @@ def test_both_stream_greedy_identical_and_exactly_classified(vllm):
     assert all(t.provisional for t in streamed) and TokenKind.PENDING not in {t.kind for t in streamed}
     assert isinstance(events[-2], Reclassified)
     assert [(k, st, pos) for _, k, st, pos in events[-2].tokens] == [(t.kind, t.step, t.position) for t in s.tokens]
-    assert s.metrics["highlighting"].startswith("exact")  # the n-gram replay places steps without drafts
+    assert s.metrics.highlighting.startswith("exact")  # the n-gram replay places steps without drafts
     assert compare(b, s, greedy=True)["identical"]
     kinds = [t.kind for t in s.output_tokens]
     assert TokenKind.PENDING not in kinds and kinds[0] == TokenKind.BASELINE
     # the counts add up: every step commits its accepted drafts plus one token of the target's
     spec_steps = [st for st in s.steps if st.drafted]
-    assert sum(st.emitted for st in s.steps) == len(kinds) == s.metrics["vllm_completion_tokens"]
+    assert sum(st.emitted for st in s.steps) == len(kinds) == s.metrics.server["completion_tokens"]
     assert kinds.count(TokenKind.ACCEPTED) == sum(st.accepted for st in spec_steps)
     assert kinds.count(TokenKind.BONUS) + kinds.count(TokenKind.RECOVERED) <= len(spec_steps)
-    assert s.metrics["accepted"] > 5  # the JSON is copied from the prompt: n-gram drafts land
-    assert s.metrics["vllm_time_to_first_token_ms"] > 0 and s.metrics["vllm_tokens_per_second"] > 0
+    assert s.metrics.accepted > 5  # the JSON is copied from the prompt: n-gram drafts land
+    assert s.metrics.server["time_to_first_token_ms"] > 0 and s.metrics.server["tokens_per_second"] > 0
 
 
 PROVISIONAL_PROMPTS = {
@@ -160,12 +160,12 @@ def test_provisional_kinds_while_streaming_are_checked_against_the_exact_ones(vl
         assert not any(t.provisional for t in s.tokens)
         final = [t.kind for t in s.output_tokens]
         right = sum(g.kind == f for g, f in zip(streamed, final))
-        accuracy = s.metrics["provisional_accuracy"]
+        accuracy = s.metrics.provisional_accuracy
         assert 0.0 <= accuracy <= 1.0 and accuracy == pytest.approx(right / len(final))
         chunk_sizes = [len(list(g)) for _, g in itertools.groupby(streamed, key=lambda t: t.time_s)]
-        seen[name] = (round(accuracy, 3), len(final), s.metrics["accepted"], max(chunk_sizes))
+        seen[name] = (round(accuracy, 3), len(final), s.metrics.accepted, max(chunk_sizes))
         log.info("provisional accuracy on %s: %.3f of %d tokens (accepted drafts %d, largest chunk %d tokens)",
-                 name, accuracy, len(final), s.metrics["accepted"], max(chunk_sizes))
+                 name, accuracy, len(final), s.metrics.accepted, max(chunk_sizes))
         letter = {TokenKind.BASELINE: "p", TokenKind.ACCEPTED: "a", TokenKind.BONUS: "b", TokenKind.RECOVERED: "r"}
         log.info("kinds on %s (p plain, a accepted, b bonus, r recovered)\n guessed %s\n final   %s\n chunks  %s",
                  name, "".join(letter[t.kind] for t in streamed), "".join(letter[k] for k in final), chunk_sizes)
@@ -174,13 +174,13 @@ def test_provisional_kinds_while_streaming_are_checked_against_the_exact_ones(vl
 
 def test_metrics_deltas_agree_with_the_request(vllm):
     _, s = run(vllm, "speculative", Request(prompt=JSON_PROMPT, max_new_tokens=40))
-    delta = s.metrics["server_delta"]
+    counters = s.metrics.server_counters
     steps = [st for st in s.steps if st.drafted]
-    assert delta["num_drafts"] == len(steps)
-    assert delta["num_draft_tokens"] == sum(st.drafted for st in steps)
+    assert counters.drafts == len(steps)
+    assert counters.draft_tokens == sum(st.drafted for st in steps)
     # the server also counts drafts accepted in a last step that a stop condition cut short
-    assert delta["num_accepted_tokens"] >= s.metrics["accepted"]
-    assert len(s.metrics["server_per_position_acceptance"]) == 4
+    assert counters.accepted_tokens >= s.metrics.accepted
+    assert len(counters.per_position_acceptance) == 4
 
 
 def test_attach_checks_the_pair(vllm):
@@ -212,7 +212,7 @@ def test_reconfigure_from_the_page_settings(vllm):
     vllm.reconfigure(Drafting("ngram", 2))
     assert vllm.speculative_config == speculative_config("ngram", 2)
     _, s = run(vllm, "speculative", Request(prompt=JSON_PROMPT, max_new_tokens=30))
-    assert s.metrics["highlighting"].startswith("exact") and max(st.drafted for st in s.steps) == 2
+    assert s.metrics.highlighting.startswith("exact") and max(st.drafted for st in s.steps) == 2
     with pytest.raises(VLLMError, match="previous ones are running again"):
         vllm.reconfigure(Drafting("draft_model", 2, "/no/such/draft"))
     assert vllm.speculative_config["num_speculative_tokens"] == 2
@@ -234,12 +234,12 @@ def test_sampled_runs_are_checked_and_never_misplaced(vllm, vllm_cpu_broken, tmp
         assert row["sampling_check"] == c["sampling_check"] and row["nll_speculative"] == c["nll_speculative"]
         html = figures_html(b, s, c, "fair", None)
         passes = html.split("target passes saved")[1][:80]
-        if s.metrics["highlighting"].startswith("exact"):
+        if s.metrics.highlighting.startswith("exact"):
             assert_exactly_classified(s)
             assert "unknown" not in passes
         else:  # the broken sampler at times emits the very draft it reports rejected: then nothing is placed
-            assert vllm_cpu_broken and s.metrics["highlighting"].startswith("counts exact") and "unknown" in passes
-            assert s.metrics["drafted"] == s.metrics["server_delta"]["num_draft_tokens"]
+            assert vllm_cpu_broken and s.metrics.highlighting.startswith("counts exact") and "unknown" in passes
+            assert s.metrics.drafted == s.metrics.server_counters.draft_tokens
         assert ("✖ suspect" in html) == (c["sampling_check"] == "suspect")
         verdicts.append(c["sampling_check"])
     if vllm_cpu_broken:
@@ -266,7 +266,7 @@ def test_a_fixed_server_passes_the_check(vllm, smol_dir, tmp_path):
             assert c["sampling_check"] == "ok", c["sampling_check_reason"]
             assert_exactly_classified(s)
             if prompt == JSON_PROMPT:
-                assert s.metrics["accepted"] > 5 and '"Ada"' in s.output_text
+                assert s.metrics.accepted > 5 and '"Ada"' in s.output_text
     finally:
         server.stop()
 
@@ -335,12 +335,12 @@ def test_nway_fair_comparison_of_two_ngram_servers(smol_dir, tmp_path):
             r = results[engine]
             assert r.output_ids == baseline, engine  # greedy: speculation must not change the answer
             assert comp.comparisons(results)[engine]["identical"] is True
-            assert r.metrics["tokens_per_s"] and r.metrics["ttft_ms"] is not None
+            assert r.metrics.tokens_per_s and r.metrics.ttft_ms is not None
             assert_exactly_classified(r)  # its own server's counts and /metrics delta place its tokens
-            assert r.metrics["drafted"] > 0 and max(st.drafted for st in r.steps) <= k, engine
+            assert r.metrics.drafted > 0 and max(st.drafted for st in r.steps) <= k, engine
         # the K=6 server drafts more per step than the K=2 one could: the extra engine was served by its own server
         assert max(st.drafted for st in results["speculative-2"].steps) > 2
-        assert results["baseline"].metrics["tokens_per_s"]
+        assert results["baseline"].metrics.tokens_per_s
         saved = history.engines(comp.run_id)
         assert [(e, r["label"]) for e, r in saved.items()] == [
             ("baseline", "baseline"), ("speculative", "vLLM ngram K=2"), ("speculative-2", "vLLM ngram K=6")]

@@ -68,7 +68,7 @@ def test_suite_saves_every_run_and_aggregates_match(backend, tmp_path):
     assert (code_k3["speedup_low"], code_k3["speedup_high"]) == pytest.approx((min(stored), max(stored)))
     assert code_k3["identical"] == "2/2" and code_k3["noise_cv"] is None
     # the category's steps by drafts accepted: its runs' histograms summed (K = 3: 0..3 accepted)
-    histograms = [json.loads(r["speculative_metrics"])["acceptance_histogram"] for r in rows
+    histograms = [history.engines(r["id"])["speculative"]["metrics"]["acceptance_histogram"] for r in rows
                   if r["category"] == "code" and r["sweep_value"] == "3"]
     assert code_k3["histogram"] == [a + b for a, b in zip(*histograms)] and len(code_k3["histogram"]) == 4
     assert code_k3["steps_accepting_nothing"] == pytest.approx(code_k3["histogram"][0] / sum(code_k3["histogram"]))
@@ -383,15 +383,16 @@ def store_runs(history: History, suite_id: str, category: str, sweep_value: str,
     7, the others are identical."""
     from engine.events import RunResult
     from engine.llamacpp.backend import DIVERGENCE_NOTE
+    from engine.run_metrics import RunMetrics
 
     for i, speedup in enumerate(speedups):
         run_id = history.start_run(category=category, prompt=f"{category} prompt {i}", suite_id=suite_id,
                                    sweep_variable="k", sweep_value=sweep_value, backend="llamacpp",
                                    method="llamacpp-draft", status="running", repeat=0)
-        base = RunResult("baseline", "none", 20, metrics={"tokens_per_s": 9.1, "output_tokens": 64})
+        base = RunResult("baseline", "none", 20, metrics=RunMetrics(tokens_per_s=9.1, output_tokens=64))
         spec = RunResult("speculative", "llamacpp-draft", 20,
-                         metrics={"tokens_per_s": 9.1 * speedup, "output_tokens": 64, "acceptance_rate": 0.5,
-                                  "mean_accepted_length": 2.0, "divergence_note": DIVERGENCE_NOTE})
+                         metrics=RunMetrics(tokens_per_s=9.1 * speedup, output_tokens=64, acceptance_rate=0.5,
+                                            mean_accepted_length=2.0, divergence_note=DIVERGENCE_NOTE))
         history.finish_run(run_id, "completed", {"baseline": base, "speculative": spec},
                            {"speedup": speedup, "identical": i not in diverge,
                             "first_divergence": 7 if i in diverge else None})

@@ -137,7 +137,7 @@ def sampling_check(backend, req, results: dict) -> dict:
     prompt = "\n".join([c for _, c in req.earlier_turns] + [req.prompt])
     copied = copy_fraction(prompt, b.output_text)
     m = s.metrics
-    status, reason = verdict(scored[0], scored[1], req.sampling.temperature, m.get("drafted"), m.get("accepted"),
+    status, reason = verdict(scored[0], scored[1], req.sampling.temperature, m.drafted, m.accepted,
                              copied)
     base, spec = nll_stats(scored[0]), nll_stats(scored[1])
     return {

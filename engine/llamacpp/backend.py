@@ -44,7 +44,7 @@ from engine.llamacpp.client import is_last, parse_chunk, render_prompt, request_
 from engine.llamacpp.server import (DRAFT_MODEL_METHODS, METHODS, WHEEL, EngineConfig, LlamaCppEngine, LlamaCppError,
                                     ServerBuild)
 from engine.llamacpp.steps import StepTracker
-from engine.metrics import UNKNOWN_STEP_FIGURES, run_metrics
+from engine.metrics import run_metrics
 from engine.request import Request
 from engine.serving.backend import ServerBackend, start_in_turn
 from engine.serving.stream import Cancelled, ServerError, stream_chunks
@@ -203,7 +203,8 @@ class LlamaCppBackend(ServerBackend):
         draft = config.draft if config and config.draft else None
         return {"backend": "llamacpp", "target_model": Path(model).name if model else None,
                 "draft_model": Path(draft).name if draft else None,
-                "method": f"llamacpp-{config.method}" if config else "llamacpp"}
+                "method": f"llamacpp-{config.method}" if config else "llamacpp",
+                "label": f"llamacpp-{config.method}" if config else "llamacpp"}
 
     def variants(self) -> dict[str, dict]:
         return {engine: {"label": config.label() if config else "llama.cpp (config not given)",
@@ -308,7 +309,7 @@ class LlamaCppBackend(ServerBackend):
                 continue
             for i in range(count - len(known)):
                 result.tokens[start + i] = replace(result.tokens[start + i], token_id=ids[i])
-        result.metrics["unknown_token_ids"] = unknown
+        result.metrics.unknown_token_ids = unknown
         if unknown:
             log.warning("%d tokens of the %s run kept no id: llama.cpp streams none for a token that ends inside a "
                         "UTF-8 character, and its tokenizer did not give them back", unknown, result.engine)
@@ -328,7 +329,7 @@ class LlamaCppBackend(ServerBackend):
                 verify = p.ms - previous if p.ms is not None and previous is not None else 0.0
                 previous = p.ms if p.ms is not None else previous
                 result.steps.append(StepRecord(p.step, 0, 0, 1, 0.0, max(verify, 0.0), p.time_s))
-            result.metrics = run_metrics(result) | result.metrics
+            result.metrics = replace(run_metrics(result), unknown_token_ids=result.metrics.unknown_token_ids)
             return
         passes = [p for p in tracker.passes if p.emitted]
         placed = tracker.exact and sum(p.emitted for p in passes) == n \
@@ -337,22 +338,22 @@ class LlamaCppBackend(ServerBackend):
             # a pass's time covers drafting and verifying together: llama.cpp does not time them apart
             result.steps = [StepRecord(p.step, p.drafted, min(p.accepted, p.emitted), p.emitted, 0.0, 0.0, p.time_s)
                             for p in passes]
-        result.metrics = run_metrics(result) | result.metrics
         rejected = tracker.drafted - tracker.accepted
-        result.metrics |= {"llamacpp_drafted": tracker.drafted, "llamacpp_accepted": tracker.accepted,
-                           "rejected_drafts": rejected, "divergence_note": DIVERGENCE_NOTE}
+        result.metrics = replace(run_metrics(result), unknown_token_ids=result.metrics.unknown_token_ids,
+                                 server={"drafted": tracker.drafted, "accepted": tracker.accepted},
+                                 rejected_drafts=rejected, divergence_note=DIVERGENCE_NOTE)
         if placed:
-            result.metrics["highlighting"] = f"{EXACT_NOTE}; {rejected} rejected drafts, their text unknown"
+            result.metrics.highlighting = f"{EXACT_NOTE}; {rejected} rejected drafts, their text unknown"
             return
         if not tracker.counted:
             why = "the server sent no per-token counts (timings_per_token), or counts that do not add up"
         else:
             why = tracker.why or "tokens could not be placed"
-        result.metrics |= UNKNOWN_STEP_FIGURES | {
-            "drafted": tracker.drafted, "accepted": tracker.accepted,
-            "acceptance_rate": tracker.accepted / tracker.drafted if tracker.drafted else None,
-            "highlighting": f"exact except {tracker.pending} pending tokens ({why}); the counts are llama.cpp's own; "
-                            "target passes unknown"}
+        result.metrics = result.metrics.steps_unknown(
+            drafted=tracker.drafted, accepted=tracker.accepted,
+            acceptance_rate=tracker.accepted / tracker.drafted if tracker.drafted else None,
+            highlighting=f"exact except {tracker.pending} pending tokens ({why}); the counts are llama.cpp's own; "
+                         "target passes unknown")
 
     # --- the sampling check and the concurrency sweep ----------------------------------------------------------------
 

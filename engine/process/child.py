@@ -80,7 +80,7 @@ class Stream(threading.Thread):
             finally:
                 self.clock.pause()
             if batch and isinstance(batch[-1], RunResult):
-                batch[-1].metrics["engine_pid"] = os.getpid()  # where the passes ran, saved with the run
+                batch[-1].metrics.engine_pid = os.getpid()  # where the passes ran, saved with the run
                 done = True
             try:
                 self.send(("events", self.sid, batch, error, done))

@@ -48,14 +48,15 @@ from engine.backend import MAX_EXTRA, Capabilities, Drafting, cores_left_over, e
 from engine.events import Event, Reclassified, RunResult, StepRecord, TokenEvent, TokenKind
 from engine.serving.http_safety import ResponseRefused, afetch, endpoint, fetch, number, redact
 from engine.limits import SettingsError
-from engine.metrics import UNKNOWN_STEP_FIGURES, run_metrics
+from engine.metrics import run_metrics
+from engine.run_metrics import STEPS_UNKNOWN, ServerCounters
 from engine.prompts import chat_messages
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.serving.backend import ServerBackend, start_in_turn
 from engine.serving.stream import Cancelled, ServerError, stream_chunks
 from engine.vllm.client import parse_chunk, request_body
-from engine.vllm.metrics import SPEC_COUNTERS, metrics_delta, parse_metrics
+from engine.vllm.metrics import metrics_delta, parse_metrics
 from engine.vllm.config import METHODS, config_of, drafting_of, server_label
 from engine.vllm.server import ServerConfig, VLLMError, VLLMServer, has_gpu, memory_shares
 from engine.vllm.steps import ChunkGuess, kinds, ngram_drafts, place_steps, provisional_accuracy, replays_ngram
@@ -215,7 +216,7 @@ class VLLMBackend(ServerBackend):
     def describe(self) -> dict:
         spec = self.speculative_config
         return {"backend": "vllm", "target_model": self.model, "draft_model": spec.get("model"),
-                "method": spec.get("method", "vllm")}
+                "method": spec.get("method", "vllm"), "label": f"vLLM {spec.get('method', 'vllm')}"}
 
     def validate(self, req: Request) -> None:
         req.validate()  # the server tokenizes; a prompt too long for its context comes back as the run's error
@@ -308,7 +309,7 @@ class VLLMBackend(ServerBackend):
         t0 = clock()
         final, before, prompt_ids = None, None, None  # final: the chunk with the usage (and the server's counts)
         content = []  # the server's own detokenized text (special tokens skipped)
-        reclassified = None
+        reclassified, said = None, {}  # said: the figures the server gives (RunMetrics fields), over ours
         path, body = request_body(req, self.model)
         k = config.get("num_speculative_tokens")
         guess = ChunkGuess(k) if engine != "baseline" and isinstance(k, int) and k > 0 else None
@@ -330,7 +331,7 @@ class VLLMBackend(ServerBackend):
             except Cancelled:
                 result.finish_reason = "cancelled"
             result.output_text = "".join(content)
-            reclassified = self._finish(engine, result, final, before, prompt_ids)
+            reclassified, said = self._finish(engine, result, final, before, prompt_ids)
         except (httpx.HTTPError, ResponseRefused, ServerError, ValueError) as e:
             what = "stopped answering" if isinstance(e, httpx.TimeoutException) else "failed"
             result.finish_reason = "error"
@@ -341,7 +342,7 @@ class VLLMBackend(ServerBackend):
         result.total_s = clock() - t0
         result.output_text = result.output_text or "".join(t.text for t in result.output_tokens)
         result.output_ids = [t.token_id for t in result.output_tokens]
-        result.metrics = run_metrics(result) | result.metrics
+        result.metrics = replace(run_metrics(result), **said)
         yield result
 
     def _tokens(self, engine: str, streamed, result: RunResult, now: float,
@@ -362,34 +363,33 @@ class VLLMBackend(ServerBackend):
             yield event
 
     def _finish(self, engine: str, result: RunResult, final, before: dict | None,
-                prompt_ids: list[int] | None) -> Reclassified | None:
-        """The server's figures into result.metrics, the steps into result.steps and, where the speculative tokens
-        can be placed, their kinds: new TokenEvents in result.tokens, and the Reclassified event that says so."""
+                prompt_ids: list[int] | None) -> tuple[Reclassified | None, dict]:
+        """The steps into result.steps and, where the speculative tokens can be placed, their kinds: new TokenEvents
+        in result.tokens, and the Reclassified event that says so. Also the figures the server gives (RunMetrics
+        fields), which replace those computed from the events."""
         metrics = (final.metrics if final else None) or {}
         # the server's own timings; one that is not a possible figure is unknown (the nested counts come below)
-        result.metrics = {f"vllm_{k}": number(v, f"metrics.{k}") for k, v in metrics.items()
-                          if isinstance(k, str) and v is not None and not isinstance(v, (dict, list))}
+        server = {k: number(v, f"metrics.{k}") for k, v in metrics.items()
+                  if isinstance(k, str) and v is not None and not isinstance(v, (dict, list))}
         if final:
-            result.metrics["vllm_completion_tokens"] = number(final.usage.get("completion_tokens"),
-                                                              "usage.completion_tokens", integer=True)
+            server["completion_tokens"] = number(final.usage.get("completion_tokens"), "usage.completion_tokens",
+                                                 integer=True)
+        said = {"server": server}
         if engine == "baseline":
             result.steps = [StepRecord(t.index, 0, 0, 1, 0.0, 0.0, t.time_s) for t in result.tokens]
-            return None
-        result.metrics["provisional_accuracy"] = None  # known only once the tokens are placed, below
+            return None, said
         delta = metrics_delta(before, self.scrape(engine))
-        result.metrics["server_delta"] = result.metrics["server_per_position_acceptance"] = None  # unknown
         if delta:
             drafts = delta["num_drafts"]
-            result.metrics["server_delta"] = {k: delta[k] for k in SPEC_COUNTERS}
-            result.metrics["server_per_position_acceptance"] = [
-                v / drafts for _, v in sorted(delta["per_pos"].items())] if drafts else []
+            said["server_counters"] = ServerCounters(
+                drafts, delta["num_draft_tokens"], delta["num_accepted_tokens"],
+                [v / drafts for _, v in sorted(delta["per_pos"].items())] if drafts else [])
         spec = metrics.get("speculative_decoding")
         if not isinstance(spec, dict) or not spec:
             why = ("the run ended before the server's counts arrived" if result.finish_reason == "cancelled" else
                    "the server returned no per-request speculative counts (vLLM returns them when started with "
                    "--per-request-spec-decode-metrics detailed)")
-            result.metrics |= UNKNOWN_STEP_FIGURES | {"highlighting": f"unknown: {why}; {_unplaced(result)}"}
-            return None
+            return None, said | STEPS_UNKNOWN | {"highlighting": f"unknown: {why}; {_unplaced(result)}"}
         accepted, drafted = spec.get("per_step_accepted") or [], spec.get("per_step_drafted") or []
         steps, how = place_steps([t.token_id for t in result.tokens], accepted, drafted, prompt_ids,
                                  self._config(engine), self.max_model_len)
@@ -399,15 +399,14 @@ class VLLMBackend(ServerBackend):
                 return number(spec.get(key), f"speculative_decoding.{key}", 0, high, integer)
 
             n_steps, n_drafted = count("num_spec_steps"), count("num_draft_tokens")
-            result.metrics |= UNKNOWN_STEP_FIGURES | {
+            return None, said | STEPS_UNKNOWN | {
                 "steps": n_steps, "drafted": n_drafted, "accepted": count("num_accepted_draft_tokens"),
                 "acceptance_rate": count("draft_acceptance_rate", 1.0, False) if n_drafted else None,
                 "mean_accepted_length": count("mean_acceptance_length", 1e6, False) if n_steps else None,
                 "highlighting": f"{how}; {_unplaced(result)}"}
-            return None
-        result.metrics["highlighting"] = how
+        said["highlighting"] = how
         placed = kinds(steps, len(result.tokens))
-        result.metrics["provisional_accuracy"] = provisional_accuracy(
+        said["provisional_accuracy"] = provisional_accuracy(
             [t.kind if t.provisional else None for t in result.tokens], [kind for kind, _, _ in placed])
         # new events: the pending / provisional ones the consumer holds stay as they were yielded
         result.tokens = [replace(t, kind=kind, step=step, position=position, provisional=False)
@@ -416,7 +415,7 @@ class VLLMBackend(ServerBackend):
             mine = [t for t in result.tokens if t.step == step]
             if mine:  # a stop condition can cut the last step short
                 result.steps.append(StepRecord(step, d, min(a, len(mine)), len(mine), 0.0, 0.0, mine[-1].time_s))
-        return Reclassified(engine, [(t.index, t.kind, t.step, t.position) for t in result.tokens])
+        return Reclassified(engine, [(t.index, t.kind, t.step, t.position) for t in result.tokens]), said
 
     def _config(self, engine: str) -> dict:
         """The --speculative-config of `engine`'s server ({} for the baseline, or where it is not known)."""
