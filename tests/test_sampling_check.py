@@ -9,6 +9,7 @@ from engine.analysis.check import ABSURD_NLL, COPY_FRACTION, MIN_DRAFTS, copy_fr
 from engine.events import RunResult
 from engine.exact.forward import forward, new_cache
 from engine.metrics import compare
+from engine.run_metrics import RunMetrics
 from engine.sampling_params import SamplingParams
 from specconsole.export import export_csv
 from specconsole.history import History
@@ -105,6 +106,6 @@ def test_copy_fraction():
 
 def test_unknown_figures_print_unknown():
     s = RunResult("speculative", "ngram", 0, finish_reason="length")
-    s.metrics = {"passes_saved": None, "output_tokens": 64, "target_passes": None}
+    s.metrics = RunMetrics(passes_saved=None, output_tokens=64, target_passes=None)
     html = figures_html(None, s, {}, "fair", None)
     assert "unknown" in html and "None" not in html and "64 of 64" not in html
