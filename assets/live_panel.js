@@ -32,7 +32,7 @@ function applyTo(root, m) {
 
 // The charts are not redrawn as a run begins (their drawing is the page's largest cost; specconsole/tab_run.py):
 // until the run's first chart update they show the last run's, faded.
-const CHARTS = '#chart-steps, #chart-positions, #chart-tokens';
+const CHARTS = '#chart-steps, #chart-positions, #chart-tokens, #chart-time';
 let chartsRun = null;
 
 // Gradio's plot component mounts a new plotly graph for each new value and leaves the old one to plotly, whose

@@ -58,7 +58,8 @@
     box.dataset.engine = e.name;
     const errorBox = div('panel-error', panel);
     errorBox.hidden = true;
-    const spec = e.steps.filter((s) => s[1] > 0);  // steps that verified drafts ([step, drafted, accepted, t])
+    // steps ([step, drafted, accepted, t, draft_ms, verify_ms]) that verified drafts
+    const spec = e.steps.filter((s) => s[1] > 0);
     const out = e.tokens.filter((t) => t[F.kind] !== 'rejected');
     return {
       ...e, box, errorBox, statusBox: div('panel-status', panel), colour: COLOURS[i % COLOURS.length], shown: 0,
@@ -67,9 +68,24 @@
       stepTimes: e.steps.map((s) => s[3]),
       spec, specTimes: spec.map((s) => s[3]),
       drafted: running(spec.map((s) => s[1])), accepted: running(spec.map((s) => s[2])),
+      passes: passTimes(e.steps),
     };
   });
   const speculative = engines.slice(1);
+
+  // Each target pass as {step, start, end, ms: [drafting, target pass, other]}, as specconsole/charts.pass_times: it
+  // starts where the previous step ended, `other` is the rest of that span (at least 0). null where no step carries
+  // a timing (servers): the split is unknown there.
+  function passTimes(steps) {
+    if (steps.length && !steps.some((s) => s[4] || s[5])) return null;
+    let start = 0;
+    return steps.map((s) => {
+      const other = Math.max(0, 1000 * (s[3] - start) - s[4] - s[5]);
+      const pass = { step: s[0], start, end: s[3], ms: [s[4], s[5], other] };
+      start = s[3];
+      return pass;
+    });
+  }
 
   function tokenNode(tok) {
     const text = tok[F.text];
@@ -211,6 +227,56 @@
   const barWidth = Math.max(1.5, Math.min(8, (0.5 * (W - M.l - M.r)) / most)) / Math.max(1, speculative.length);
   speculative.forEach((e) => { e.bars = svg('g', {}, stepsChart); e.barsShown = 0; });
 
+  // where the time went: a band per engine on the run's time axis, a stacked bar per target pass spanning its time
+  // (drafting, the pass, other), as the console's chart. One ms scale for all bands, the passes' after each engine's
+  // first: that one reads the prompt, often many decoding passes long, and is cut at the top (its band says so).
+  const SPLIT = [['drafting', '#E69F00'], ['target pass', '#0072B2'], ['other', '#999999']];
+  const timeChart = $('chart-time');
+  const total = (p) => p.ms[0] + p.ms[1] + p.ms[2];
+  const tops = engines.flatMap((e) => (e.passes || []).slice(1).map(total));
+  const msMax = Math.max(0.1, ...(tops.length ? tops : engines.flatMap((e) => (e.passes || []).map(total))));
+  const band = (H - M.t - M.b) / engines.length;
+  const chartText = (s, attrs) => { svg('text', attrs, timeChart).textContent = s; };
+  SPLIT.forEach(([name, colour], i) => {
+    chartText(name, { x: M.l + 8 + i * 90, y: 14, fill: colour, 'font-weight': 600 });
+  });
+  chartText(msMax.toFixed(msMax < 10 ? 1 : 0), { x: M.l - 4, y: M.t + 8, 'text-anchor': 'end' });
+  const middle = (M.t + H - M.b) / 2;
+  chartText('ms per pass', { x: 12, y: middle, transform: `rotate(-90 12 ${middle})`, 'text-anchor': 'middle' });
+  chartText(`${duration.toFixed(2)} s`, { x: W - M.r, y: H - 8, 'text-anchor': 'end' });
+  chartText('seconds', { x: (M.l + W - M.r) / 2, y: H - 8, 'text-anchor': 'middle' });
+  svg('line', { x1: M.l, y1: M.t, x2: M.l, y2: H - M.b, class: 'axis' }, timeChart);
+  engines.forEach((e, i) => {
+    const bottom = M.t + (i + 1) * band;
+    e.msY = (ms) => bottom - (Math.min(ms, msMax) / msMax) * (band - 14);  // the band's top 14 px hold its name
+    svg('line', { x1: M.l, y1: bottom, x2: W - M.r, y2: bottom, class: 'axis' }, timeChart);
+    const first = e.passes && e.passes.length ? total(e.passes[0]) : 0;
+    const cut = first > msMax ? ` · first pass (the prompt) ${first.toFixed(0)} ms, cut at the top` : '';
+    chartText(e.passes ? e.name + cut : `${e.name}: split unknown (not timed by this engine)`,
+      { x: M.l + 4, y: bottom - band + 11, fill: e.colour, 'font-weight': 600 });
+    e.timeBars = svg('g', { 'data-engine': e.name }, timeChart);
+    e.timeShown = 0;
+  });
+
+  function renderTime(e, now) {
+    const k = e.passes ? countUpTo(e.stepTimes, now) : 0;
+    while (e.timeShown > k) { e.timeBars.lastChild.remove(); e.timeShown--; }
+    for (; e.timeShown < k; e.timeShown++) {
+      const p = e.passes[e.timeShown];
+      const bar = svg('g', {}, e.timeBars);
+      let below = 0;
+      p.ms.forEach((ms, j) => {
+        if (ms >= 0.001) {  // not a rounding's remainder
+          svg('rect', { x: x(p.start), y: e.msY(below + ms), width: Math.max(0.5, x(p.end) - x(p.start)),
+            height: e.msY(below) - e.msY(below + ms), fill: SPLIT[j][1] }, bar);
+        }
+        below += ms;
+      });
+      const split = SPLIT.map(([name], j) => `${name} ${p.ms[j].toFixed(1)} ms`);
+      svg('title', {}, bar).textContent = `step ${p.step}: ${split.join(', ')}`;
+    }
+  }
+
   function renderCharts(now) {
     for (const e of engines) {  // a step line: each output token raises the count at its time
       const n = countUpTo(e.outTimes, now);
@@ -233,6 +299,7 @@
         svg('title', {}, bar).textContent = `step ${e.spec[e.barsShown][0]}: ${accepted} of ${drafted} accepted`;
       }
     });
+    engines.forEach((e) => renderTime(e, now));
   }
 
   // --- the player -------------------------------------------------------------------------------------------

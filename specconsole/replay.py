@@ -52,7 +52,8 @@ def _engine(result: RunResult, final: dict) -> dict:
         t_max = max(t_max, t.time_s or 0.0)  # the player searches by time: keep it non-decreasing
         tokens.append([t.kind.value, t.text, round(t_max, 6), t.step, t.position, _title(t),
                        1 if BIDI_CONTROLS.search(t.text) else 0])
-    steps = [[s.step, s.drafted, s.accepted, round(s.time_s, 6)] for s in result.steps]
+    steps = [[s.step, s.drafted, s.accepted, round(s.time_s, 6), round(s.draft_ms, 3), round(s.verify_ms, 3)]
+             for s in result.steps]
     n, tps = result.metrics.output_tokens, result.metrics.tokens_per_s
     last = max([t_max] + [s[3] for s in steps])
     # when the engine finished: the run's total time (n / tokens per second), at least its last event
@@ -66,7 +67,7 @@ def payload(history: History, run_id: str) -> dict:
 
     {version, run: {id, prompt, status, method, mode, ...}, token_fields, duration (s), identical, first_divergence,
      engines: [{name, method, error, end (s), tokens: [[kind, text, t, step, position, title, isolate], ...],
-                steps: [[step, drafted, accepted, t], ...],
+                steps: [[step, drafted, accepted, t, draft_ms, verify_ms], ...],
                 final: {tokens_per_s, acceptance_rate, mean_accepted_length, speedup}}, ...]}
     The baseline comes first; `final` holds the stored figures, shown once the replay reaches the engine's end."""
     row = history.run(run_id)
@@ -144,6 +145,8 @@ def replay_html(history: History, run_id: str) -> str:
   <figure><figcaption>Tokens over time</figcaption><svg id="chart-tokens" viewBox="0 0 480 240"></svg></figure>
   <figure><figcaption>Drafted and accepted per step</figcaption><svg id="chart-steps" viewBox="0 0 480 240"></svg>
   </figure>
+  <figure><figcaption>Where the time went, per target pass</figcaption>
+    <svg id="chart-time" viewBox="0 0 480 240"></svg></figure>
 </div>
 <p class="fig-note">Replayed from the recorded token times. Keys: space play/pause, ← → seek, Home restart.</p>
 <script id="replay-data" type="application/json">{_json_for_script(data)}</script>

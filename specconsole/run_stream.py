@@ -28,6 +28,7 @@ PANEL_WHILE_TIMED_S = 0.5
 FIGURES_EVERY_S = 1.0
 CHART_EVERY_S = 5.0
 SETTLE_S = 0.05  # after an update is handed to Gradio, before the next timed pass may start
+CHARTS = 4  # how many figures_for() returns, in a run's outputs after the feed and the figures
 
 def rolling_acceptance(result, window: int = 8) -> float | None:
     steps = [s for s in result.steps if s.drafted > 0][-window:]
@@ -36,18 +37,19 @@ def rolling_acceptance(result, window: int = 8) -> float | None:
 
 
 def figures_for(results: dict, labels: dict | None = None):
-    """The three charts; extra speculative engines (an N-way run) add a trace each, named by `labels`."""
+    """The four charts; extra speculative engines (an N-way run) add a trace (the time chart: a row) each, named by
+    `labels`."""
     b, s = results.get("baseline"), results.get("speculative")
     others = {(labels or {}).get(e, e): r for e, r in results.items() if e not in ENGINES}
     return (charts.acceptance_per_step(s, others), charts.per_position(s, others),
-            charts.tokens_over_time(b, s, others))
+            charts.tokens_over_time(b, s, others), charts.time_per_pass(b, s, others))
 
 
 def outputs_of(feed=None, figures=None, plots=None) -> tuple:
-    """One update of a run's outputs, in their order: the panel feed (feed_of), the figures and the three charts.
+    """One update of a run's outputs, in their order: the panel feed (feed_of), the figures and the four charts.
     What is not given stays as it is."""
     return (gr.skip() if feed is None else feed, gr.skip() if figures is None else figures,
-            *(plots or (gr.skip(),) * 3))
+            *(plots or (gr.skip(),) * CHARTS))
 
 
 def feed_of(messages: dict, charts: bool = False, run: str | None = None) -> str | None:
@@ -95,7 +97,7 @@ def stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
     was handed over (hand_over)."""
     feeds = {e: PanelFeed(panel_run, show_rejected and e != "baseline") for e in comp.engines}
     every = PANEL_WHILE_TIMED_S if comp.timed_while_streaming else PANEL_EVERY_S
-    # no chart update as the run begins (there is nothing to chart yet, and the three charts' drawing was the
+    # no chart update as the run begins (there is nothing to chart yet, and the charts' drawing was the
     # browser's largest single cost): the page fades the last run's charts until the first, CHART_EVERY_S in
     last_panel = last_figures = 0.0
     last_chart = time.monotonic()

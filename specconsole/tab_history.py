@@ -124,7 +124,7 @@ def build(history: History, tab: gr.Tab, show_rejected: gr.Checkbox, run_event) 
         row = history.run((run_id or "").strip())
         if row is None:
             empty = tokens_html([], error=f"no run {run_id!r} in the history")
-            return empty, empty, "", None, None, None, ""
+            return empty, empty, "", None, None, None, None, ""
         results = history.results(row["id"])
         comparison = json.loads(row["comparison"] or "{}")
         saved = history.engines(row["id"])
@@ -191,6 +191,7 @@ def build(history: History, tab: gr.Tab, show_rejected: gr.Checkbox, run_event) 
     old_figures = gr.HTML(elem_id="history-figures")
     with gr.Row():
         old_steps, old_pos, old_tokens = gr.Plot(), gr.Plot(), gr.Plot()
+    old_time = gr.Plot()
 
     # --- events ----------------------------------------------------------------------------------------------------
 
@@ -207,7 +208,7 @@ def build(history: History, tab: gr.Tab, show_rejected: gr.Checkbox, run_event) 
     page_no.submit(history_table, [filter_cat, page_no], history_page, **on_page)
     table.select(select_row, [table, selected], [selected, opened_id], **on_run)
     open_btn.click(open_run, [opened_id, show_rejected],
-                   [old_base, old_spec, old_figures, old_steps, old_pos, old_tokens, info], **on_run)
+                   [old_base, old_spec, old_figures, old_steps, old_pos, old_tokens, old_time, info], **on_run)
     delete_btn.click(delete_runs, [selected, filter_cat, page_no], [selected, *history_page], **on_page)
     # one export of a kind at a time: the next one empties the folder Gradio copies the last one's files from
     export_sel.click(export_selected, selected, files, concurrency_limit=1)

@@ -395,13 +395,15 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
         chart_steps = gr.Plot(empty[0], label="Acceptance per step", elem_id="chart-steps")
         chart_pos = gr.Plot(empty[1], label="Per-position acceptance", elem_id="chart-positions")
         chart_tokens = gr.Plot(empty[2], label="Tokens over time", elem_id="chart-tokens")
+    with gr.Row(elem_classes="present-hide"):  # the page's width: a bar per target pass
+        chart_time = gr.Plot(empty[3], label="Where the time went", elem_id="chart-time")
 
     # --- events ----------------------------------------------------------------------------------------------------
 
     inputs = [prompt, category, method, k, dynamic_k, confidence, draft_vocab, fallback, temperature, top_p, max_new,
               seed, mode, show_rejected, compare_with]
     # in outputs_of()'s order
-    outputs = [feed, figures, chart_steps, chart_pos, chart_tokens]
+    outputs = [feed, figures, chart_steps, chart_pos, chart_tokens, chart_time]
     # no progress overlay: its animation would cost the browser CPU during the very run it shows
     # RUN_HANDLERS handlers: one runs, the others wait in run() for host.lock and say that they are queued
     # Gradio's page re-reads (get_data), on every update of a run, each component any event showed progress on, the

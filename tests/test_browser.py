@@ -131,9 +131,12 @@ def test_run_history_and_csv(console, page, tmp_path):
     assert re.search(r"ignored drafts \(cut off by a stop\)\s+\d+", figures)
     split = " | ".join(f"{getattr(spec, k) / 1000:.2f}" for k in ("drafting_ms", "verifying_ms", "other_ms"))
     assert re.search(r"time: drafting \| target passes \| other \(s\)\s+" + re.escape(split), figures)
-    # the tokens chart has drawn a line per engine
+    # the tokens chart has drawn a line per engine; the time chart a row per engine, each with its passes
     expect(page.locator("#chart-tokens g.trace.scatter")).to_have_count(2, timeout=30_000)
     assert page.locator("#chart-steps g.trace.bars").count() >= 1
+    passes = {e: len(r.steps) for e, r in saved.results(saved.runs()[0]["id"]).items()}
+    rows = page.locator("#chart-time .annotation-text").all_text_contents()
+    assert [row.split(",")[0] for row in rows] == [f"{e}: {n} target passes" for e, n in passes.items()], rows
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "console.png"), full_page=True)
 
@@ -206,7 +209,8 @@ def test_live_panels_append_and_charts_throttle(console, page):
     for the page."""
     url, db = console
     open_console(page, url)
-    set_run(page, "Write a long story about a dragon who learns to bake bread.", 96)
+    # long enough for chart updates while it runs (CHART_EVERY_S apart), on a machine a few times faster than a laptop
+    set_run(page, "Write a long story about a dragon who learns to bake bread.", 160)
     page.wait_for_function("() => window.Plotly && window.Plotly.react")  # the empty charts are drawn at load
     page.evaluate(COUNT_REDRAWS)
     page.evaluate(TAG_FIRST_TOKENS)
@@ -236,9 +240,9 @@ def test_live_panels_append_and_charts_throttle(console, page):
     early = [r for r in redraws if r["t"] < first_token]
     assert all(r["t"] - start >= CHART_EVERY_S * 1000 for r in early), early
     if not early:
-        assert page.evaluate("Object.values(window.staleAtFirst)") == [3, 3]
+        assert page.evaluate("Object.values(window.staleAtFirst)") == [4, 4]
     assert page.locator(".stale-chart").count() == 0
-    for chart in ("chart-steps", "chart-positions", "chart-tokens"):
+    for chart in ("chart-steps", "chart-positions", "chart-tokens", "chart-time"):
         drawn = [r for r in redraws if r["chart"] == chart]
         assert drawn, f"{chart} was never redrawn"
         # gradio's plot calls Plotly.react twice for one new value (the value, then its layout pass): an update is a
@@ -246,6 +250,12 @@ def test_live_panels_append_and_charts_throttle(console, page):
         updates = len({(tuple(r["points"]), tuple(r["last"])) for r in drawn})
         # once every CHART_EVERY_S while running, plus the final update; delivery jitter may bunch two together
         assert updates <= seconds / CHART_EVERY_S + 2, f"{chart}: {updates} updates in {seconds:.1f} s ({drawn})"
+    # where the time went: drawn while the run went on (the run lasts more than CHART_EVERY_S), with more bars (both
+    # engines' passes) at its end
+    bars = [sum(r["points"]) for r in redraws if r["chart"] == "chart-time" and any(r["points"])]
+    assert bars and bars[0] < bars[-1], bars
+    for row in ("xy", "x2y2"):
+        assert page.locator(f"#chart-time .subplot.{row} .trace.bars").count() >= 1, row
     tokens = [r for r in redraws if r["chart"] == "chart-tokens"]
     states = {tuple(r["points"]) for r in tokens if any(r["points"])}
     engine_s = sum(x or 0 for x in tokens[-1]["last"])  # both engines' clocks at their last token

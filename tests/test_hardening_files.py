@@ -227,7 +227,7 @@ def test_chart_labels_from_data_are_text_for_plotly():
     link = '<a href="http://evil/">x</a>'
     run = RunResult(engine="speculative-2", method="draft", prompt_tokens=1)
     figs = [charts.acceptance_per_step(None, {link: run}), charts.per_position(None, {link: run}),
-            charts.tokens_over_time(None, None, {link: run}),
+            charts.tokens_over_time(None, None, {link: run}), charts.time_per_pass(None, None, {link: run}),
             report.speedup_chart(pd.DataFrame([{"category": link, "sweep_value": "", "speedup": 1.2,
                                                 "speedup_low": 1.0, "speedup_high": 1.4, "machine_bound": 2.0}])),
             report.ab_chart(pd.DataFrame(), link, link)]

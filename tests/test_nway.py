@@ -113,6 +113,10 @@ def test_three_engine_run_round_trips_through_the_history(backend, tmp_path):
     # one chart line per engine
     fig = charts.tokens_over_time(rebuilt["baseline"], rebuilt["speculative"], {"n-gram": rebuilt["speculative-2"]})
     assert [t.name for t in fig.data] == ["baseline", "speculative", "n-gram"]
+    # where the time went: a row per engine, each with its passes' bars
+    fig = charts.time_per_pass(rebuilt["baseline"], rebuilt["speculative"], {"n-gram": rebuilt["speculative-2"]})
+    assert [a.text.split(":")[0] for a in fig.layout.annotations] == ["baseline", "speculative", "n-gram"]
+    assert {t.yaxis for t in fig.data if t.name == "target pass"} == {"y", "y2", "y3"}
     # the replay shows every engine, with its label
     data = payload(history, comp.run_id)
     assert [(e["name"], e["label"]) for e in data["engines"]] == [

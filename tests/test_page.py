@@ -63,8 +63,8 @@ def test_the_page_builds_with_its_elements(tmp_path):
     app = build(ModelHost("not loaded", lambda p: None), History(tmp_path / "h.db"))
     ids = {getattr(b, "elem_id", None) for b in app.blocks.values()}
     assert {"model-status", "prompt", "run", "stop", "temperature", "max-new", "baseline-panel", "speculative-panel",
-            "figures", "chart-steps", "history-table", "export-all", "open-run", "run-suite", "suite-status",
-            "export-suite", "suite-files", "one-at-a-time"} <= ids
+            "figures", "chart-steps", "chart-time", "history-table", "export-all", "open-run", "run-suite",
+            "suite-status", "export-suite", "suite-files", "one-at-a-time"} <= ids
 
 
 def test_a_runs_updates_name_few_components(tmp_path):
@@ -79,14 +79,14 @@ def test_a_runs_updates_name_few_components(tmp_path):
     by_id = {b._id: getattr(b, "elem_id", None) for b in app.blocks.values()}
     (run,) = [f for f in app.fns.values() if f.name == "run"]
     assert [by_id[o._id] for o in run.outputs] == ["panel-feed", "figures", "chart-steps", "chart-positions",
-                                                  "chart-tokens"]
+                                                  "chart-tokens", "chart-time"]
     (plan,) = [f for f in app.fns.values() if f.name == "plan"]
     assert len(plan.outputs) == 2 * MAX_EXTRA and not plan.queue  # columns and headings, at once
 
 
 def test_every_event_shows_progress_on_one_component(tmp_path):
     """Gradio's page re-reads, on every update a run streams, each component that any event shows its progress on
-    (by default: all of the event's outputs, the three charts and the History table among them; docs/page-cost.md):
+    (by default: all of the event's outputs, the four charts and the History table among them; docs/page-cost.md):
     each event names at most one, and the run's is its panel feed."""
     from specconsole.app import build
     from specconsole.host import ModelHost

@@ -150,7 +150,7 @@ def test_the_page_does_not_keep_the_charts_it_replaced(console, browser, monkeyp
         counts.append(page_kept(cdp))
     page.get_by_role("tab", name="History").click()
     page.get_by_role("tab", name="Run").click()
-    shown = page.evaluate("['#chart-steps', '#chart-positions', '#chart-tokens'].map(id => "
+    shown = page.evaluate("['#chart-steps', '#chart-positions', '#chart-tokens', '#chart-time'].map(id => "
                           "document.querySelectorAll(id + ' .js-plotly-plot .main-svg').length)")
     page.close()
     grown = {name: counts[-1][name] - counts[0][name] for name in counts[0]}

@@ -1,7 +1,11 @@
 """What the page shows of a run (specconsole.render): tokens with model text escaped, provisional kinds marked,
-rejected drafts hidden when asked, the figures, and the live panel's updates."""
+rejected drafts hidden when asked, the figures, the live panel's updates, and where the time went
+(specconsole.charts)."""
 
-from engine.events import TokenEvent, TokenKind
+import pytest
+
+from engine.events import RunResult, StepRecord, TokenEvent, TokenKind
+from specconsole import charts
 from specconsole.render import figures_html, token_span, tokens_html
 
 
@@ -81,3 +85,57 @@ def test_live_panel_hides_rejected_drafts_when_asked():
     shown = json.loads(PanelFeed("r", show_rejected=False).message(toks))
     assert shown["total"] == 2 and not any("rejected" in t for t in shown["tokens"])
     assert json.loads(PanelFeed("r").message(toks))["total"] == 3
+
+
+def test_time_per_pass_stacks_each_pass_and_says_where_the_split_is_unknown():
+    """A stacked bar per target pass, spanning it on the run's clock: drafting, the pass, and the rest of the time
+    since the previous step ended (clamped at 0 where the timers exceed it); one row per engine. A server's steps
+    carry no timings: its row says the split is unknown and draws nothing."""
+    base = RunResult("baseline", "none", 3)
+    base.steps = [StepRecord(i, 0, 0, 1, 0.0, 10.0, 0.012 * (i + 1)) for i in range(4)]  # 12 ms apart
+    spec = RunResult("speculative", "draft", 3)
+    spec.steps = [StepRecord(0, 0, 0, 1, 0.0, 20.0, 0.025),  # the prefill: 25 ms since the start
+                  StepRecord(1, 3, 2, 3, 6.0, 15.0, 0.050),  # 25 ms
+                  StepRecord(2, 3, 3, 4, 6.0, 15.0, 0.060)]  # 10 ms, 21 of them timed: other clamps at 0
+    server = RunResult("speculative-2", "ngram", 3)
+    server.steps = [StepRecord(0, 0, 0, 1, 0.0, 0.0, 0.1), StepRecord(1, 3, 2, 3, 0.0, 0.0, 0.2)]
+    fig = charts.time_per_pass(base, spec, {"<b>server</b>": server})
+
+    bars = {(t.yaxis, t.name): t for t in fig.data}
+    # the baseline drafts nothing, so it has no drafting trace; the server's row has no trace at all
+    assert list(bars) == [("y", "target pass"), ("y", "other"),
+                          ("y2", "drafting"), ("y2", "target pass"), ("y2", "other")]
+    assert bars["y", "target pass"].y == (10.0,) * 4 and bars["y", "other"].y == pytest.approx((2.0,) * 4)
+    assert bars["y2", "drafting"].y == (0.0, 6.0, 6.0) and bars["y2", "target pass"].y == (20.0, 15.0, 15.0)
+    assert bars["y2", "other"].y == pytest.approx((5.0, 4.0, 0.0))
+    assert bars["y2", "other"].x == pytest.approx((0.0125, 0.0375, 0.055))
+    assert bars["y2", "other"].width == pytest.approx((0.025, 0.025, 0.01))
+    assert fig.layout.barmode == "stack" and [t.name for t in fig.data if t.showlegend] == [
+        "target pass", "other", "drafting"]  # each part named once in the legend
+    assert [a.text for a in fig.layout.annotations] == [
+        "baseline: 4 target passes, the first (reading the prompt) 12 ms",
+        "speculative: 3 target passes, the first (reading the prompt) 25 ms",
+        "&lt;b&gt;server&lt;/b&gt;: 2 target passes, split unknown (the engine does not time drafting and verifying "
+        "apart)"]
+    # one scale for all rows: the passes after each engine's first (the speculative engine's 6 + 15 + 4 ms)
+    assert fig.layout.yaxis.range == pytest.approx((0, 1.05 * 25))
+    assert fig.layout.yaxis.matches == fig.layout.yaxis2.matches == "y3"  # the bottom row's
+    # a run with no steps yet is not unknown, only empty
+    fig = charts.time_per_pass(RunResult("baseline", "none", 3), None)
+    assert not fig.data and [a.text for a in fig.layout.annotations] == ["baseline: 0 target passes"]
+
+
+def test_time_per_pass_averages_a_long_runs_passes():
+    """Plotly draws every bar on every update: past MAX_BARS passes, a bar is the mean of consecutive passes and
+    spans their time, and the row says so."""
+    passes = [(0.0, 1.0, 1.0, 10.0, 1.0), (1.0, 2.0, 2.0, 20.0, 2.0), (2.0, 3.0, 3.0, 30.0, 0.0),
+              (3.0, 4.0, 4.0, 40.0, 4.0), (4.0, 5.0, 5.0, 50.0, 5.0)]
+    assert charts.grouped(passes, most=2) == (3, [(0.0, 3.0, 2.0, 20.0, 1.0), (3.0, 5.0, 4.5, 45.0, 4.5)])
+    assert charts.grouped(passes, most=5) == (1, passes)
+    run = RunResult("speculative", "draft", 3)
+    run.steps = [StepRecord(i, 2, 1, 2, 1.0, 4.0, 0.01 * (i + 1)) for i in range(2 * charts.MAX_BARS + 1)]
+    fig = charts.time_per_pass(None, run)
+    assert [len(t.y) for t in fig.data] == [134] * 3 and fig.data[2].y == pytest.approx((5.0,) * 134)  # 401 / 3
+    assert fig.data[0].x[-1] == pytest.approx((3.99 + 4.01) / 2) and fig.data[0].width[-1] == pytest.approx(0.02)
+    assert fig.layout.annotations[0].text == ("speculative: 401 target passes, the first (reading the prompt) 10 ms, "
+                                              "each bar the mean of 3")

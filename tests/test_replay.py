@@ -123,6 +123,12 @@ def real_run(close_backend, tmp_path_factory):
     return history, comp.run_id
 
 
+def time_bars(page) -> dict:
+    """Per engine, the bars the replay's time chart shows (one per target pass)."""
+    return page.eval_on_selector_all("#chart-time g[data-engine]", "gs => Object.fromEntries(gs.map(g => "
+                                     "[g.dataset.engine, g.children.length]))")
+
+
 PANEL_STATE = """() => [...document.querySelectorAll('.tokens')].map(box => ({
     engine: box.dataset.engine,
     kinds: [...box.querySelectorAll('.tok')].map(t => t.classList[1]),
@@ -172,6 +178,8 @@ def test_replay_in_chromium_offline(real_run, browser, tmp_path):
     assert shown == {e["name"]: sum(t[2] <= middle for t in e["tokens"]) for e in data["engines"]}
     assert all(shown.values()) and sum(shown.values()) < sum(len(e["tokens"]) for e in data["engines"])
     figures_then = page.inner_text("#figures")  # counting up: live figures, no exactness verdict yet
+    # where the time went: a stacked bar per target pass recorded up to then
+    assert time_bars(page) == {e["name"]: sum(s[3] <= middle for s in e["steps"]) for e in data["engines"]}
     assert "identical" not in figures_then and re.search(r"\d\.\d\d \| \d+\.\d\d", figures_then)
 
     # play from the start at 4x to the end
@@ -214,6 +222,12 @@ def test_replay_in_chromium_offline(real_run, browser, tmp_path):
     assert page.locator("#chart-steps rect").count() == 2 * spec_steps
     points = page.eval_on_selector_all("#chart-tokens polyline", "ls => ls.map(l => l.getAttribute('points').split(' ').length)")
     assert points == [2 + 2 * len(results[e].output_tokens) for e in ("baseline", "speculative")]
+    assert time_bars(page) == {e: len(r.steps) for e, r in results.items()}
+    drafting = next(s for s in results["speculative"].steps if s.drafted)
+    tip = page.locator("#chart-time g[data-engine='speculative'] > g > title").nth(
+        results["speculative"].steps.index(drafting)).text_content()
+    assert tip.startswith(f"step {drafting.step}: drafting {drafting.draft_ms:.1f} ms, target pass "
+                          f"{drafting.verify_ms:.1f} ms, other "), tip
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "replay.png"), full_page=True)
 
@@ -250,6 +264,9 @@ def test_constructed_run_in_chromium(browser, tmp_path):
     history = History(tmp_path / "h.db")
     error = '<img src=x onerror="alert(3)">'
     run_id = constructed_run(history, ["a", EVIL, "</script>", "b"], error=error)
+    with history.db.conn:  # as a server's steps: no timings
+        history.db.execute("UPDATE steps SET draft_ms = 0, verify_ms = 0 WHERE run_id = ? AND engine = 'speculative'",
+                           [run_id])
     out = write_replay(history, run_id, tmp_path / "replay.html")
     page = browser.new_context().new_page()
     requests, dialogs = [], []
@@ -265,5 +282,8 @@ def test_constructed_run_in_chromium(browser, tmp_path):
     assert page.locator(".tokens[data-engine='speculative'] .tok").all_text_contents() == \
         ["a", EVIL, "</script>", "b", "&nope"]
     assert page.locator("img").count() == 0 and page.locator("script").count() == 2
+    # where the time went: the baseline's passes; the speculative engine's split is unknown, and nothing is guessed
+    assert time_bars(page) == {"baseline": 4, "speculative": 0}
+    assert "speculative: split unknown" in page.text_content("#chart-time")
     assert not dialogs and requests == [out.as_uri()]
     page.context.close()
