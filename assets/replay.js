@@ -173,6 +173,12 @@
       span.textContent = data.identical ? '✔ identical to the baseline'
         : `✖ first divergence at token ${data.first_divergence}`;
       exactness.appendChild(span);
+      if (!data.identical && data.near_tie) {
+        const why = document.createElement('span');
+        why.className = 'why near-tie';
+        why.textContent = ` ${data.near_tie}`;
+        exactness.appendChild(why);
+      }
     }
     engines.forEach((e, i) => {
       e.statusBox.textContent = `${states[i].finished ? run.status : 'running…'} · ${states[i].out} tokens`;

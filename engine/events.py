@@ -43,6 +43,10 @@ class TokenEvent:
     p: float | None = None  # target probability of this token, where known
     q: float | None = None  # draft probability of this token, where known (1.0 for n-gram drafts)
     provisional: bool = False  # kind, step and position are a guess from chunk boundaries (vLLM), not yet told
+    # greedy runs of our engine: the target's second-best token at this position and how much more probable (raw
+    # distribution) the chosen one was: where two engines' greedy outputs part, a small margin is a near-tie
+    runner_up: int | None = None
+    margin: float | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)

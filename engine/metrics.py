@@ -161,7 +161,25 @@ def compare(baseline: RunResult, speculative: RunResult, greedy: bool) -> dict:
         div = first_divergence(baseline.output_ids, speculative.output_ids)
         c["identical"] = div is None
         c["first_divergence"] = div
+        if div is not None:
+            c["near_tie"] = near_tie(baseline, speculative, div)
+            c["divergence_margin"] = c["near_tie"]["baseline"]["margin"] if c["near_tie"] else None
     return c
+
+
+def near_tie(baseline: RunResult, speculative: RunResult, index: int) -> dict | None:
+    """Why two greedy outputs part at output token `index`: each engine's pass there, as {"token", "text",
+    "runner_up", "runner_up_text", "margin"} (margin: p(token) - p(runner-up) under the target's raw distribution).
+    Both margins small is a near-tie that passes of another shape round apart. None where an engine did not record
+    its runner-up (a server, a sampled run, the bonus token after a token tree's alternative) or one output ended
+    there."""
+    pair = [r.output_tokens[index] if index < len(r.output_tokens) else None for r in (baseline, speculative)]
+    if any(t is None or t.margin is None for t in pair):
+        return None
+    texts = {t.token_id: t.text for t in pair}  # in a near-tie each engine's runner-up is the other's token
+    return {engine: {"token": t.token_id, "text": t.text, "runner_up": t.runner_up,
+                     "runner_up_text": texts.get(t.runner_up), "margin": t.margin}
+            for engine, t in zip(("baseline", "speculative"), pair)}
 
 
 def _ratio(x, y):

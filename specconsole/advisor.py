@@ -152,8 +152,10 @@ def _identity(row) -> list[str]:
     same, runs = (int(part) for part in identical.split("/"))
     if not runs:
         return []
-    note = row.get("divergence_note")
+    note, margin = row.get("divergence_note"), row.get("divergence_margin")
     why = f"; {note}" if same < runs and isinstance(note, str) and note else ""
+    if same < runs and isinstance(margin, float) and _known(margin):
+        why += f"; where it parted, the plain pass's probability margin was {margin:.2%} (median)"
     return [f"greedy output identical to the baseline's in {same} of {runs} runs{why}"]
 
 

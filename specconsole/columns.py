@@ -52,8 +52,8 @@ ENGINE_FIGURES = ("tokens_per_s", "acceptance_rate", "mean_accepted_length", "ou
                   "target_passes", "drafted", "accepted", "provisional_accuracy", "ignored_drafts",
                   "acceptance_histogram", "steps_accepting_nothing", "drafting_ms", "verifying_ms", "other_ms")
 
-# The figures of a comparison of two engines (engine.metrics.compare), in both CSVs
-COMPARISON_FIGURES = ("speedup", "identical", "first_divergence")
+# The figures of an engine's comparison with the baseline (engine.metrics.compare), in both CSVs
+COMPARISON_FIGURES = ("speedup", "identical", "first_divergence", "divergence_margin")
 # ... and more of them, in the runs CSV only
 COMPARISON_DETAIL = ("decode_speedup", "alpha", "theoretical_bound", "machine_bound", "efficiency")
 

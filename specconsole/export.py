@@ -29,7 +29,7 @@ import threading
 from pathlib import Path
 
 from engine.run_metrics import RunMetrics
-from specconsole.columns import COMPARISON_DETAIL, ENGINE_CSV, RUN_CSV, engine_figures
+from specconsole.columns import COMPARISON_DETAIL, COMPARISON_FIGURES, ENGINE_CSV, RUN_CSV, engine_figures
 from specconsole.history import EVENT_TABLES, History
 
 log = logging.getLogger(__name__)
@@ -64,9 +64,8 @@ def _engine_rows(conn: sqlite3.Connection, run: dict) -> list[dict]:
         m = RunMetrics.from_dict(json.loads(e["metrics"] or "{}"))
         identical = c.get("identical")
         rows.append({"run_id": run["id"], "engine": e["engine"], "label": e["label"] or e["engine"],
-                     "method": e["method"], "speedup": c.get("speedup"),
+                     "method": e["method"], **{k: c.get(k) for k in COMPARISON_FIGURES},
                      "identical": None if identical is None else int(identical),
-                     "first_divergence": c.get("first_divergence"),
                      **engine_figures(m), "error": e["error"], "output": e["output"],
                      "divergence_note": m.divergence_note if identical is False else None})
     return rows

@@ -67,7 +67,8 @@ RUN_COLUMNS = {
 EVENT_TABLES = {  # the engines' events, one row each, keyed by run and engine
     "tokens": {"run_id": str, "engine": str, "seq": int, "kind": str, "token_id": int, "text": str, "step": int,
                "position": int, "time_s": float, "idx": int, "p": float, "q": float,
-               "provisional": int},  # 1: the kind is a guess from a vLLM stream's chunks, not (yet) confirmed
+               "provisional": int,  # 1: the kind is a guess from a vLLM stream's chunks, not (yet) confirmed
+               "runner_up": int, "margin": float},  # greedy, our engine: the target's second choice and its margin
     "steps": {"run_id": str, "engine": str, "step": int, "drafted": int, "accepted": int, "emitted": int,
               "draft_ms": float, "verify_ms": float, "time_s": float, "drafter": str,
               "ignored": int},  # NULL: not known (a server), or saved before it was counted
@@ -457,4 +458,5 @@ def _policy(row: dict) -> PolicyEvent:
 
 def _token(row: dict) -> TokenEvent:
     return TokenEvent(TokenKind(row["kind"]), row["token_id"], row["text"], row["step"], row["position"],
-                      row["time_s"], row["idx"], row["p"], row["q"], bool(row.get("provisional")))  # NULL: older
+                      row["time_s"], row["idx"], row["p"], row["q"], bool(row.get("provisional")),  # NULL: older
+                      row.get("runner_up"), row.get("margin"))

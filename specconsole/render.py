@@ -163,6 +163,29 @@ def _time_split_figure(b: RunMetrics | None, s: RunMetrics | None) -> str:
     return f'{split(s)}<div class="fig-note">baseline: {split(b)}</div>'
 
 
+def near_tie_text(comparison: dict) -> str:
+    """Plain text: at a greedy run's first divergence, each engine's pass there, its token, its runner-up and the
+    probability margin between them (engine.metrics.near_tie); "unknown" where the engines did not record it; ""
+    for a run without a divergence, or saved before it was recorded. The replay shows it too."""
+    if comparison.get("identical") is not False or "near_tie" not in comparison:
+        return ""
+    tie = comparison["near_tie"]
+    sides = [tie.get(e) for e in ("baseline", "speculative")] if isinstance(tie, dict) else []
+    if len(sides) != 2 or not all(isinstance(t, dict) for t in sides):
+        return "why: unknown (the engines gave no runner-up probabilities there)"
+
+    def token(text, token_id) -> str:  # a hand-edited file may hold anything: only a str or an int is shown
+        return repr(text) if isinstance(text, str) else f"token {token_id}" if isinstance(token_id, int) else "?"
+
+    def margin(m) -> str:
+        return f"{m:.2%}" if isinstance(m, float) else "?"
+
+    parts = [f"{name} pass chose {token(t.get('text'), t.get('token'))} over "
+             f"{token(t.get('runner_up_text'), t.get('runner_up'))} by {margin(t.get('margin'))}"
+             for name, t in zip(("the plain", "the speculative engine's"), sides)]
+    return f"near-tie? {'; '.join(parts)} (probability margins)"
+
+
 def figures_html(baseline: RunResult | None, speculative: RunResult | None, comparison: dict, mode: str,
                  rolling_acceptance: float | None) -> str:
     b = baseline.metrics if baseline else None
@@ -174,6 +197,8 @@ def figures_html(baseline: RunResult | None, speculative: RunResult | None, comp
         elif comparison.get("first_divergence") is not None:
             exact = (f'<span class="exact diverged">✖ first divergence at token '
                      f'{number(comparison["first_divergence"])}</span>')
+            if near_tie_text(comparison):
+                exact += f' <span class="why near-tie">{escape(near_tie_text(comparison))}</span>'
             if _get(s, "divergence_note"):  # why this backend's greedy outputs can differ (llama.cpp)
                 exact += f' <span class="why">{escape(s.divergence_note)}</span>'
     rows = [

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from engine.events import RunResult
 from specconsole.history import History
-from specconsole.render import BIDI_CONTROLS, _title, legend_html
+from specconsole.render import BIDI_CONTROLS, _title, legend_html, near_tie_text
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,7 @@ def payload(history: History, run_id: str) -> dict:
         "duration": max([e["end"] for e in engines], default=0.0),
         "identical": comparison.get("identical"),
         "first_divergence": comparison.get("first_divergence"),
+        "near_tie": near_tie_text(comparison),  # why it parted, as the console said it
     }
 
 

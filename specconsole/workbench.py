@@ -227,6 +227,7 @@ def runs_frame(history: History, suite_id: str) -> pd.DataFrame:
             "machine_bound": c.get("machine_bound"), "efficiency": c.get("efficiency"),
             "identical": c.get("identical"), "sampling_check": c.get("sampling_check"),
             "first_divergence": c.get("first_divergence"),
+            "divergence_margin": c.get("divergence_margin"),  # the plain pass's margin there (engine.metrics.near_tie)
             # why this backend's greedy output can part from the baseline's (llama.cpp), where it did
             "divergence_note": s.divergence_note if c.get("identical") is False else None,
         })
@@ -303,6 +304,10 @@ def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
             "prefill_share": med("prefill_share"), "machine_bound": med("machine_bound"),
             "efficiency": med("efficiency"),
             "identical": f"{sum(v is True for v in g['identical'])}/{sum(v is not None for v in g['identical'])}",
+            # greedy runs that parted from the baseline, and the median probability margin where they did: near 0,
+            # a near-tie that passes of another shape round apart
+            "divergences": sum(v is False for v in g["identical"]),
+            "divergence_margin": _med(g.get("divergence_margin", [])),
             "divergence_note": next(iter(_present(g.get("divergence_note", []))), None),
             # sampled runs: how many the sampling check (engine.analysis.check) found suspect, of those it checked
             "sampling_check": _suspects(g.get("sampling_check", [])),

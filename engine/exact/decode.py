@@ -20,7 +20,7 @@ from engine.exact.forward import forward, new_cache, rollback
 from engine.metrics import run_metrics
 from engine.exact.policy import SpecPolicy
 from engine.exact.proposers import Proposal
-from engine.exact.sampling import next_token, rejection_sample, verify_greedy, warp
+from engine.exact.sampling import next_token, rejection_sample, runners_up, verify_greedy, warp
 from engine.sampling_params import SamplingParams
 from engine.stops import Detokenizer, StopConditions, Transcript
 from engine.exact.tree import Tree
@@ -50,10 +50,11 @@ class _Recorder:
     def done(self) -> bool:
         return self.transcript.finish_reason is not None
 
-    def commit(self, kind, token, step, position, p=None, q=None) -> TokenEvent:
+    def commit(self, kind, token, step, position, p=None, q=None, tie=(None, None)) -> TokenEvent:
+        """`tie`: the target's runner-up and margin there (greedy), or (None, None)."""
         index = len(self.transcript.ids)
         text = self.transcript.commit(token)
-        event = TokenEvent(kind, token, text, step, position, self.now(), index, p, q)
+        event = TokenEvent(kind, token, text, step, position, self.now(), index, p, q, runner_up=tie[0], margin=tie[1])
         self.result.tokens.append(event)
         return event
 
@@ -118,7 +119,8 @@ def generate_baseline(
         step = 0
         while True:
             token, p = next_token(logits[-1], params, g)
-            yield run.commit(TokenKind.BASELINE, token, step, 0, p=None if params.greedy else p)
+            tie = [x[0] for x in runners_up(logits[-1:])] if params.greedy else (None, None)
+            yield run.commit(TokenKind.BASELINE, token, step, 0, p=None if params.greedy else p, tie=tie)
             yield run.step(step, 0, 0, 1, 0.0, ms)
             if run.done or _cancelled(cancel):
                 break
@@ -201,6 +203,9 @@ class _Verdict:
     token: int  # the target's own token at position n
     kind: TokenKind  # its kind: recovered, bonus, or baseline (K = 0)
     p: torch.Tensor | None  # [K+1, V] the target's warped distributions; None: greedy
+    # greedy: the target's runner-up and margin at positions 0..refused_from (rows of the drafts' chain; after a
+    # tree's alternative the bonus comes from another row: not kept)
+    ties: list[tuple[int, float]]
 
 
 def _draft(proposer, ids: list[int], k: int, policy: SpecPolicy, params: SamplingParams, tree_rows: int,
@@ -242,10 +247,11 @@ def _accept(draft: _Draft, logits: torch.Tensor, params: SamplingParams, g: torc
             n, token = rejection_sample(d, draft.probs, p, g)
             accepted, refused_from = draft.ids[:n], n
     n = len(accepted)
+    ties = list(zip(*runners_up(logits[: refused_from + 1]))) if params.greedy else []
     rollback(cache, committed + n)
     # after a branch accepted whole (the chain, or a tree's alternative), the target's token is the bonus
     kind = TokenKind.BASELINE if K == 0 else TokenKind.BONUS if n == K or refused_from < n else TokenKind.RECOVERED
-    return _Verdict(accepted, refused_from, token, kind, p)
+    return _Verdict(accepted, refused_from, token, kind, p, ties)
 
 
 def _commit(run: _Recorder, step: int, draft: _Draft, verdict: _Verdict) -> Generator[TokenEvent, None, int]:
@@ -256,11 +262,12 @@ def _commit(run: _Recorder, step: int, draft: _Draft, verdict: _Verdict) -> Gene
         if i == verdict.refused_from:
             for r, rejected in enumerate(draft.ids[i:], i):
                 yield run.reject(rejected, step, r, _prob(p, r, rejected), _prob(q, r, rejected))
+        tie = verdict.ties[i] if i < len(verdict.ties) else (None, None)
         if i < n:  # sampled, a deterministic drafter's q is one-hot: 1 at its draft
             yield run.commit(TokenKind.ACCEPTED, token, step, i, _prob(p, i, token),
-                             1.0 if q is None and p is not None else _prob(q, i, token))
+                             1.0 if q is None and p is not None else _prob(q, i, token), tie)
         else:
-            yield run.commit(verdict.kind, token, step, i, _prob(p, i, token))
+            yield run.commit(verdict.kind, token, step, i, _prob(p, i, token), tie=tie)
         if run.done:
             return i + 1
     return n + 1

@@ -62,6 +62,14 @@ def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     return token, float(probs[token])
 
 
+def runners_up(logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """logits [R, V] -> per row the second most likely token and the margin p(best) - p(second) under the raw
+    distribution: the near-tie evidence where two greedy outputs part (a pass of another shape can round a small
+    margin the other way)."""
+    top = torch.softmax(logits.float(), dim=-1).topk(2, dim=-1)
+    return top.indices[:, 1].tolist(), (top.values[:, 0] - top.values[:, 1]).tolist()
+
+
 def verify_greedy(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
     """draft_ids [K], target_logits [K+1, V] -> (number accepted, next token)."""
     K = draft_ids.shape[0]
