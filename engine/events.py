@@ -43,8 +43,8 @@ class TokenEvent:
     p: float | None = None  # target probability of this token, where known
     q: float | None = None  # draft probability of this token, where known (1.0 for n-gram drafts)
     provisional: bool = False  # kind, step and position are a guess from chunk boundaries (vLLM), not yet told
-    # greedy runs of our engine: the target's second-best token at this position and how much more probable (raw
-    # distribution) the chosen one was: where two engines' greedy outputs part, a small margin is a near-tie
+    # greedy runs of our engine: the target's second-best token at this position and how far the chosen token's logit
+    # was above it (engine.exact.sampling.runners_up): where two engines' greedy outputs part, a small one is a near-tie
     runner_up: int | None = None
     margin: float | None = None
 

@@ -169,7 +169,7 @@ def compare(baseline: RunResult, speculative: RunResult, greedy: bool) -> dict:
 
 def near_tie(baseline: RunResult, speculative: RunResult, index: int) -> dict | None:
     """Why two greedy outputs part at output token `index`: each engine's pass there, as {"token", "text",
-    "runner_up", "runner_up_text", "margin"} (margin: p(token) - p(runner-up) under the target's raw distribution).
+    "runner_up", "runner_up_text", "margin"} (margin: the token's logit minus the runner-up's).
     Both margins small is a near-tie that passes of another shape round apart. None where an engine did not record
     its runner-up (a server, a sampled run, the bonus token after a token tree's alternative) or one output ended
     there."""

@@ -155,7 +155,7 @@ def _identity(row) -> list[str]:
     note, margin = row.get("divergence_note"), row.get("divergence_margin")
     why = f"; {note}" if same < runs and isinstance(note, str) and note else ""
     if same < runs and isinstance(margin, float) and _known(margin):
-        why += f"; where it parted, the plain pass's probability margin was {margin:.2%} (median)"
+        why += f"; where it parted, the plain pass's best token led its runner-up by {margin:.3g} logits (median)"
     return [f"greedy output identical to the baseline's in {same} of {runs} runs{why}"]
 
 

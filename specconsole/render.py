@@ -165,7 +165,7 @@ def _time_split_figure(b: RunMetrics | None, s: RunMetrics | None) -> str:
 
 def near_tie_text(comparison: dict) -> str:
     """Plain text: at a greedy run's first divergence, each engine's pass there, its token, its runner-up and the
-    probability margin between them (engine.metrics.near_tie); "unknown" where the engines did not record it; ""
+    logit margin between them (engine.metrics.near_tie); "unknown" where the engines did not record it; ""
     for a run without a divergence, or saved before it was recorded. The replay shows it too."""
     if comparison.get("identical") is not False or "near_tie" not in comparison:
         return ""
@@ -178,12 +178,12 @@ def near_tie_text(comparison: dict) -> str:
         return repr(text) if isinstance(text, str) else f"token {token_id}" if isinstance(token_id, int) else "?"
 
     def margin(m) -> str:
-        return f"{m:.2%}" if isinstance(m, float) else "?"
+        return f"{m:.3g}" if isinstance(m, float) else "?"
 
     parts = [f"{name} pass chose {token(t.get('text'), t.get('token'))} over "
              f"{token(t.get('runner_up_text'), t.get('runner_up'))} by {margin(t.get('margin'))}"
              for name, t in zip(("the plain", "the speculative engine's"), sides)]
-    return f"near-tie? {'; '.join(parts)} (probability margins)"
+    return f"near-tie? {'; '.join(parts)} (logits; the probability margin is at most the logit margin)"
 
 
 def figures_html(baseline: RunResult | None, speculative: RunResult | None, comparison: dict, mode: str,

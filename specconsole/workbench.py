@@ -304,7 +304,7 @@ def aggregate(runs: pd.DataFrame) -> pd.DataFrame:
             "prefill_share": med("prefill_share"), "machine_bound": med("machine_bound"),
             "efficiency": med("efficiency"),
             "identical": f"{sum(v is True for v in g['identical'])}/{sum(v is not None for v in g['identical'])}",
-            # greedy runs that parted from the baseline, and the median probability margin where they did: near 0,
+            # greedy runs that parted from the baseline, and the median logit margin where they did: near 0,
             # a near-tie that passes of another shape round apart
             "divergences": sum(v is False for v in g["identical"]),
             "divergence_margin": _med(g.get("divergence_margin", [])),

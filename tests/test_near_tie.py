@@ -1,4 +1,4 @@
-"""Why a greedy run parted from the baseline: each engine records the target's runner-up and probability margin at
+"""Why a greedy run parted from the baseline: each engine records the target's runner-up and logit margin at
 every output token (engine.exact.sampling.runners_up), and the comparison, the figures, the CSVs and the workbench
 show them at the first divergence (engine.metrics.near_tie)."""
 
@@ -22,7 +22,7 @@ from tests.test_greedy_exact import PROMPT, baseline, draft_proposer, fixed, spe
 def independent_runners_up(model, prompt: list[int], out: list[int]) -> list[tuple[int, float]]:
     """The target's runner-up and margin before each output token, from one plain pass over the whole sequence."""
     logits = forward(model, prompt + out[:-1], new_cache(model), keep=len(out))
-    top = torch.softmax(logits.float(), dim=-1).topk(2, dim=-1)
+    top = logits.float().topk(2, dim=-1)
     return list(zip(top.indices[:, 1].tolist(), (top.values[:, 0] - top.values[:, 1]).tolist()))
 
 
@@ -66,8 +66,8 @@ def test_a_planted_near_tie_is_shown_at_the_first_divergence():
         "baseline": {"token": 2, "text": "<b>", "runner_up": 3, "runner_up_text": "c", "margin": 0.004},
         "speculative": {"token": 3, "text": "c", "runner_up": 2, "runner_up_text": "<b>", "margin": 0.001}}
     html = figures_html(b, s, c, "fair", None)
-    assert "the plain pass chose &#x27;&lt;b&gt;&#x27; over &#x27;c&#x27; by 0.40%" in html
-    assert "the speculative engine&#x27;s pass chose &#x27;c&#x27; over &#x27;&lt;b&gt;&#x27; by 0.10%" in html
+    assert "the plain pass chose &#x27;&lt;b&gt;&#x27; over &#x27;c&#x27; by 0.004;" in html
+    assert "the speculative engine&#x27;s pass chose &#x27;c&#x27; over &#x27;&lt;b&gt;&#x27; by 0.001 (logits" in html
     assert "<b>" not in html.split("near-tie")[1]  # the token's text is escaped
     # a backend that records no runner-up (a server): unknown, not guessed
     for t in s.tokens:
@@ -90,10 +90,10 @@ def test_the_csvs_and_the_workbench_count_divergences_with_their_margins(tmp_pat
                                    sweep_value="", method="draft", repeat=0)
         history.finish_run(run_id, "completed", {"baseline": b, "speculative": s}, compare(b, s, greedy=True))
     parted = history.runs(suite_id="s1")[-1]["id"]  # the first saved: margin 0.01
-    assert payload(history, parted)["near_tie"].startswith("near-tie? the plain pass chose '<b>' over 'c' by 1.00%")
+    assert payload(history, parted)["near_tie"].startswith("near-tie? the plain pass chose '<b>' over 'c' by 0.01;")
     row = aggregate(runs_frame(history, "s1")).iloc[0]
     assert row["identical"] == "1/3" and row["divergences"] == 2 and row["divergence_margin"] == pytest.approx(0.02)
-    assert "where it parted, the plain pass's probability margin was 2.00% (median)" in _identity(row)[0]
+    assert "where it parted, the plain pass's best token led its runner-up by 0.02 logits (median)" in _identity(row)[0]
     runs_csv, tokens_csv, engines_csv = export_all(history, tmp_path / "csv")
     engines = pd.read_csv(engines_csv)
     margins = engines[engines["engine"] == "speculative"]["divergence_margin"]
