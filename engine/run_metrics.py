@@ -13,14 +13,16 @@ from dataclasses import asdict, dataclass, field, fields, replace
 @dataclass
 class ServerCounters:
     """A server's speculative-decoding counters from its Prometheus /metrics page, as they grew during one run (read
-    before and after it on a server that serves nothing else): the server's own count beside ours."""
+    before and after it): the server's own count beside ours (engine.serving.counters.server_counters)."""
 
     drafts: float  # verify passes that had drafts
     draft_tokens: float
     accepted_tokens: float
     per_position_acceptance: list[float] = field(default_factory=list)  # accepted / drafts, by draft position
-    # where the server's counts differ from the run's own (drafted, accepted): what differs; None where they agree
+    # where the server's counts disagree with the run's own (drafted, accepted): what differs; None where they agree
     mismatch: str | None = None
+    # where they differ for a known reason (a stop inside the last step, a shared server, a stopped run): what and why
+    expected_difference: str | None = None
 
 
 @dataclass

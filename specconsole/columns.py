@@ -64,7 +64,8 @@ RUN_CSV = ("id", "created_at", "finished_at", "status", "error", "category", "ba
            "baseline_tps", "speculative_tps", "identical", "first_divergence", "noisy", "sampling_check",
            "nll_baseline", "nll_speculative", "repeat")
 # The engines CSV, one row per run and engine; each engine's columns in the runs CSV are these after run_id and engine
-ENGINE_CSV = ("run_id", "engine", "label", "method", *COMPARISON_FIGURES, *ENGINE_FIGURES, "error", "output")
+ENGINE_CSV = ("run_id", "engine", "label", "method", *COMPARISON_FIGURES, *ENGINE_FIGURES, "server_counters_mismatch",
+              "error", "output")
 
 
 def engine_figures(metrics: RunMetrics) -> dict:

@@ -66,9 +66,16 @@ def _engine_rows(conn: sqlite3.Connection, run: dict) -> list[dict]:
         rows.append({"run_id": run["id"], "engine": e["engine"], "label": e["label"] or e["engine"],
                      "method": e["method"], **{k: c.get(k) for k in COMPARISON_FIGURES},
                      "identical": None if identical is None else int(identical),
-                     **engine_figures(m), "error": e["error"], "output": e["output"],
+                     **engine_figures(m), "server_counters_mismatch": _counters_mismatch(m),
+                     "error": e["error"], "output": e["output"],
                      "divergence_note": m.divergence_note if identical is False else None})
     return rows
+
+
+def _counters_mismatch(m: RunMetrics) -> str | None:
+    """Where the server's own counters disagree with the run's count: what differs."""
+    mismatch = m.server_counters.mismatch if m.server_counters else None
+    return mismatch if isinstance(mismatch, str) else None  # an edited file may hold anything
 
 
 def _summary_row(run: dict, engines: list[dict]) -> dict:

@@ -132,6 +132,20 @@ def _provisional_figure(s: RunMetrics) -> str:
     return f'{number(s.provisional_accuracy, ".0%")}{note}'
 
 
+def _server_counters_figure(s: RunMetrics) -> str:
+    """The server's own count of the run (its /metrics counters, engine.serving.counters): a disagreement with the
+    run's count flagged, a difference with a known cause said."""
+    c = s.server_counters
+    if c is None:
+        return "unknown"
+    value = f'{number(c.draft_tokens, ".0f")} | {number(c.accepted_tokens, ".0f")}'
+    if c.mismatch:
+        return value + f' <span class="exact diverged">✖ {escape(str(c.mismatch))}</span>'
+    if c.expected_difference:
+        return value + f'<div class="fig-note">{escape(str(c.expected_difference))}</div>'
+    return value
+
+
 def _get(m: RunMetrics | None, key: str):
     """A figure of a run's metrics; None before the run has any."""
     return getattr(m, key) if m is not None else None
@@ -223,6 +237,10 @@ def figures_html(baseline: RunResult | None, speculative: RunResult | None, comp
         ("ignored drafts (cut off by a stop)", _known(s, "ignored_drafts")),
         ("time: drafting | target passes | other (s)", _time_split_figure(b, s)),
     ]
+    # only a server run (it has the server's own figures, or its counters) has counters to show, or to say are
+    # unknown (a server started without them); our own engine has none, and a row that always says so is noise
+    if s is not None and (s.server_counters is not None or s.server):
+        rows.append(("server's own counters: drafted | accepted", _server_counters_figure(s)))
     if s is not None and "time_to_first_token_ms" in s.server:  # what the vLLM servers measured themselves
         def server(m: RunMetrics | None, key: str, spec: str) -> str:
             return number(m.server.get(key) if m is not None else None, spec)

@@ -62,6 +62,28 @@ def test_every_csv_figure_is_a_run_metric_and_documented():
     assert [k for k in ENGINE_FIGURES if f"`{k}`" not in table] == []
 
 
+def test_the_servers_counters_disagreement_is_exported(tmp_path):
+    """A server run's counters are kept with its metrics; where they disagree with the run's count, both CSVs say
+    what differs (server_counters_mismatch); a formula-like sentence stays text."""
+    import pandas as pd
+
+    from engine.events import RunResult
+    from engine.run_metrics import RunMetrics, ServerCounters
+    from specconsole.export import export_all
+
+    history = History(tmp_path / "h.db")
+    run_id = history.start_run(prompt="x", method="llamacpp-draft")
+    base, spec = RunResult("baseline", "none", 0), RunResult("speculative", "llamacpp-draft", 0)
+    spec.metrics = RunMetrics(drafted=36, accepted=30, server={"drafted": 36, "accepted": 30},
+                              server_counters=ServerCounters(10, 40, 31, mismatch="=the server counted 40"))
+    history.finish_run(run_id, "completed", {"baseline": base, "speculative": spec}, {})
+    assert history.results(run_id)["speculative"].metrics.server_counters == spec.metrics.server_counters
+    runs_csv, _, engines_csv = export_all(history, tmp_path / "csv")
+    engines = pd.read_csv(engines_csv)
+    assert engines["server_counters_mismatch"].fillna("").tolist() == ["", "'=the server counted 40"]
+    assert pd.read_csv(runs_csv).loc[0, "speculative_server_counters_mismatch"] == "'=the server counted 40"
+
+
 def test_a_history_file_of_a_newer_schema_is_refused_untouched(tmp_path):
     from specconsole.history import SCHEMA_VERSION
 

@@ -89,6 +89,10 @@ def test_marks_agree_with_the_engines_own_counts(managed):
             assert kinds.count(TokenKind.ACCEPTED) == m.accepted == m.server["accepted"]
             assert sum(s.drafted for s in r.steps) == m.drafted == m.server["drafted"]
             assert sum(s.emitted for s in r.steps) == len(r.tokens) and m.target_passes == len(r.steps)
+            # and what the server's /metrics counters grew by (the managed engines run with them)
+            c = m.server_counters
+            assert (c.drafts, c.draft_tokens, c.accepted_tokens) == (m.steps, m.drafted, m.accepted)
+            assert c.mismatch is None and c.expected_difference is None
             for step in r.steps:
                 mine = [t.kind for t in r.tokens if t.step == step.step]
                 if step.drafted == 0:
@@ -149,6 +153,9 @@ def test_attach_to_running_servers_with_an_api_key(smol, tmp_path):
         _, spec = run(backend.speculative(req))
         assert base.error is None and spec.error is None and spec.metrics.highlighting.startswith("exact")
         assert spec.metrics.server["drafted"] > 0
+        # /metrics asks for the key too; an attached server's counters are server-wide, but it served only this run
+        counters = spec.metrics.server_counters
+        assert counters.draft_tokens == spec.metrics.server["drafted"] and counters.mismatch is None
         assert backend.capabilities.concurrent_requests  # two slots each: the concurrency sweep runs
         tokens, seconds = backend.throughput("baseline", ["Say hi.", "Say bye."], 8)
         assert 2 <= tokens <= 16 and seconds > 0

@@ -1,5 +1,6 @@
 """llama-server built here for this CPU (engine.llamacpp.native): the probe, the build the managed engines run, what
-it was built with, the user's own binary, the wheel where no build is possible, and a killed build. The build itself
+it was built with, the user's own binary, the wheel where no build is possible, a killed build, and the server's own
+spec-decode counters (/metrics) beside a run's count. The build itself
 is made once per machine (`.ci/setup test` makes it; here ensure_built() finds it in the cache)."""
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ from pathlib import Path
 
 import pytest
 
+from engine.events import TokenEvent
 from engine.llamacpp import native
+from engine.llamacpp import server as llamacpp_server
 from engine.llamacpp.backend import LlamaCppBackend
-from engine.llamacpp.server import (WHEEL, EngineConfig, LlamaCppError, choose_build, parse_method,
-                                    server_args)
+from engine.llamacpp.server import (WHEEL, EngineConfig, LlamaCppEngine, LlamaCppError, ServerBuild,
+                                    choose_build, parse_method, server_args)
 from engine.loading.weights import gguf_model
 from engine.request import Request
+from engine.serving.counters import counters_delta
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -87,6 +91,73 @@ def test_the_managed_engines_run_this_build_and_say_so(build, smol, tmp_path):
     finally:
         backend.close()
     assert not any(e.alive() for e in backend.servers)
+
+
+REPEAT = "Repeat exactly: alpha beta gamma delta, alpha beta gamma delta"
+
+
+def test_the_servers_own_counters_agree_with_the_run(build, smol, tmp_path):
+    """A managed llama-server runs with --metrics: its counters grew by the run's own count. They grow once, as the
+    request ends (never mid-run), and a reading right after the stream holds the whole run. A stop inside a pass
+    leaves accepted drafts that the server counts and the output never shows: said, not flagged."""
+    backend = LlamaCppBackend.managed(EngineConfig("speculative", smol, "draft", draft=smol, k=4, threads=1),
+                                      log_dir=tmp_path, build=ServerBuild(build.binary, "built here"))
+    try:
+        before, mid, events = backend.scrape("speculative"), None, []
+        for event in backend.speculative(Request(prompt=REPEAT, max_new_tokens=48)):
+            events.append(event)
+            if isinstance(event, TokenEvent) and len(events) == 3:
+                mid = backend.scrape("speculative")
+        after = backend.scrape("speculative")
+        m = events[-1].metrics
+        assert events[-1].error is None and m.highlighting.startswith("exact") and m.steps > 1
+        c = m.server_counters
+        assert (c.drafts, c.draft_tokens, c.accepted_tokens) == (m.steps, m.drafted, m.accepted)
+        assert c.mismatch is None and c.expected_difference is None and len(c.per_position_acceptance) == 4
+        grew = counters_delta(before, after)
+        assert (grew["num_drafts"], grew["num_draft_tokens"], grew["num_accepted_tokens"]) == (
+            c.drafts, c.draft_tokens, c.accepted_tokens)  # nothing counted after the run's own reading
+        assert mid in (before, after)  # all at once: none of the run's passes counted on its own
+
+        # a stop string on an accepted draft of a pass that accepted more: the output ends inside that pass
+        step = next(s for s in events[-1].steps if s.accepted >= 2)
+        tokens = events[-1].tokens
+        first = next(t for t in tokens if t.step == step.step)
+        stop = first.text.strip()
+        assert stop and stop not in "".join(t.text for t in tokens[:first.index])
+        stopped = list(backend.speculative(Request(prompt=REPEAT, max_new_tokens=48, stop_strings=(stop,))))[-1]
+        m = stopped.metrics
+        assert stopped.finish_reason == "stop" and m.highlighting.startswith("exact")
+        cut = m.server["accepted"] - m.accepted
+        assert cut >= 1 and m.server_counters.accepted_tokens == m.server["accepted"]
+        assert m.server_counters.mismatch is None
+        assert f"a stop ended the output inside the last step, and the server also counts the {cut} " in \
+            m.server_counters.expected_difference
+    finally:
+        backend.close()
+
+
+def test_an_attached_server_without_metrics_leaves_the_counters_unknown(build, smol, tmp_path, monkeypatch, caplog):
+    """llama-server started without --metrics answers /metrics with 501: the counters are unknown, said once in the
+    log (not per run), and the runs go on."""
+    monkeypatch.setattr(llamacpp_server, "server_args",
+                        lambda config, args=server_args: [a for a in args(config) if a != "--metrics"])
+    engines = [LlamaCppEngine(EngineConfig(role, smol, method, k=4, ngram_n=2, threads=1), tmp_path,
+                              build=ServerBuild(build.binary, "built here"))
+               for role, method in (("baseline", "none"), ("speculative", "ngram-simple"))]
+    try:
+        for engine in engines:
+            engine.start()
+        backend = LlamaCppBackend.attach([e.url for e in engines])
+        req = Request(prompt=REPEAT, max_new_tokens=24)
+        runs = [list(backend.speculative(req))[-1] for _ in range(2)]
+        assert all(r.error is None and r.metrics.server_counters is None for r in runs)
+        assert runs[0].metrics.server["drafted"] > 0  # it speculated, and the run's own count stands
+        said = [r.getMessage() for r in caplog.records if "/metrics" in r.getMessage()]
+        assert len(said) == 1 and "answered 501" in said[0] and "--metrics" in said[0], said
+    finally:
+        for engine in engines:
+            engine.stop()
 
 
 def test_a_users_own_binary_is_run_and_named(build, smol, tmp_path, monkeypatch):

@@ -44,6 +44,27 @@ def test_provisional_accuracy_is_a_vllm_figure():
     assert "provisional" not in figures_html(None, local, {}, "fair", None)  # not a figure of the local backend
 
 
+def test_the_servers_own_counters_stand_beside_the_run():
+    """A server run's counters (engine.serving.counters): a disagreement flagged, an expected difference said, all
+    text escaped; "unknown" where a server run has none; no row for our own engine, which has no server."""
+    from engine.events import RunResult
+    from engine.run_metrics import RunMetrics, ServerCounters
+
+    label = "server&#x27;s own counters: drafted | accepted"
+    s = RunResult("speculative", "llamacpp-draft", 0)
+    s.metrics = RunMetrics(server={"drafted": 40, "accepted": 31},
+                           server_counters=ServerCounters(10, 40, 33, expected_difference="a stop <b>cut</b> it"))
+    value = figures_html(None, s, {}, "fair", None).split(label)[1][:200]
+    assert "40 | 33" in value and "a stop &lt;b&gt;cut&lt;/b&gt; it" in value and "✖" not in value
+    s.metrics.server_counters = ServerCounters(10, 40, 31, mismatch="the server counted <img src=x>")
+    value = figures_html(None, s, {}, "fair", None).split(label)[1][:200]
+    assert '<span class="exact diverged">✖ the server counted &lt;img src=x&gt;</span>' in value
+    s.metrics.server_counters = None  # a llama-server started without --metrics
+    assert figures_html(None, s, {}, "fair", None).split(label)[1][:60].count("unknown") == 1
+    local = RunResult("speculative", "draft", 0)
+    assert "counters" not in figures_html(None, local, {}, "fair", None)
+
+
 def test_rejected_drafts_can_be_hidden():
     toks = [TokenEvent(TokenKind.ACCEPTED, 1, "x", 1, 0, 0.1, 0), TokenEvent(TokenKind.REJECTED, 2, "y", 1, 1, 0.1)]
     assert "rejected" in tokens_html(toks, show_rejected=True)

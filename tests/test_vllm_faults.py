@@ -78,6 +78,8 @@ class FakeVLLM(ThreadingHTTPServer):
         self.completions = 0  # completion requests served: which server an engine's run went to
         self.status = 200  # what a POST answers; with an error status, `body` is the error's body
         self.metrics_page: str | None = None  # /metrics, instead of the usual counters
+        self.counters = [7.0, 21.0, 9.0]  # its spec-decode counters: drafts, draft tokens, accepted tokens
+        self.grow = (0, 0, 0)  # what each completion adds to them
         self.seen: list[tuple[str, str | None]] = []  # (path, Authorization header) of every request
 
     def handle_error(self, request, client_address):
@@ -96,8 +98,9 @@ class Handler(BaseHTTPRequestHandler):
             self._send(json.dumps({"data": [{"id": "fake", "root": "fake/model", "max_model_len": 2048}]}))
         elif self.path.startswith("/metrics"):
             # vllm:spec_decode_* counters only on a speculative server (attach() tells the two apart by them)
-            page = ('vllm:spec_decode_num_drafts_total{engine="0",model_name="fake"} 7.0\n'
-                    'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="fake"} 21.0\n'
+            page = ("".join(f'vllm:spec_decode_{name}_total{{engine="0",model_name="fake"}} {value}\n'
+                            for name, value in zip(("num_drafts", "num_draft_tokens", "num_accepted_tokens"),
+                                                   self.server.counters))
                     if self.server.speculative else "vllm:num_requests_running 0.0\n")
             self._send(page if self.server.metrics_page is None else self.server.metrics_page, "text/plain")
         else:
@@ -108,6 +111,7 @@ class Handler(BaseHTTPRequestHandler):
         server = self.server
         server.seen.append((self.path, self.headers.get("Authorization")))
         server.completions += 1
+        server.counters = [c + g for c, g in zip(server.counters, server.grow)]
         if server.chunked:
             self.protocol_version = "HTTP/1.1"
         self.send_response(server.status)
@@ -194,6 +198,26 @@ def test_a_well_formed_stream_is_classified_by_an_event(servers):
     assert [t.kind for t in live.result.tokens] == expected
     resets = [json.loads(m) for m in messages if m and json.loads(m)["reset"]]
     assert len(resets) == 1 and resets[0]["start"] == 0 and "bonus" in "".join(resets[0]["tokens"])
+
+
+def test_the_servers_counters_stand_beside_the_runs_count(servers):
+    """/metrics read before and after the run: the server's count agrees with the placed steps, counts the drafts
+    a stop cut off (said, not flagged), or disagrees (flagged)."""
+    backend = attach(servers)
+    servers[1].body, servers[1].grow = stream(spec=spec_counts([3, 1], [3, 2])), (2, 5, 4)
+    c = run(backend)[1].metrics.server_counters
+    assert (c.drafts, c.draft_tokens, c.accepted_tokens) == (2, 5, 4)
+    assert c.mismatch is None and c.expected_difference is None
+    # the second step kept both drafts, but the token limit ends the output after the first of them
+    servers[1].body, servers[1].grow = stream(spec=spec_counts([3, 2], [3, 2])), (2, 5, 5)
+    result = run(backend)[1]
+    c = result.metrics.server_counters
+    assert result.metrics.highlighting == "exact" and result.metrics.accepted == 4
+    assert c.mismatch is None and "the server also counts the 1 draft it accepted past the stop" in \
+        c.expected_difference
+    servers[1].body, servers[1].grow = stream(spec=spec_counts([3, 1], [3, 2])), (2, 5, 3)
+    c = run(backend)[1].metrics.server_counters
+    assert c.mismatch == "the server counted 5 drafted and 3 accepted tokens, this run 5 and 4"
 
 
 # --- (a) malformed and truncated streams ---------------------------------------------------------------------------
@@ -286,6 +310,7 @@ def test_counts_that_do_not_add_up_leave_the_tokens_unplaced(servers, case):
     assert m.target_passes is None and m.passes_saved is None and m.mean_k is None
     assert m.steps == len(drafted) and m.drafted == sum(drafted)  # the server's own counts are still shown
     assert m.server_counters.drafts == 0.0  # /metrics was read before and after
+    assert m.server_counters.mismatch.startswith("the server counted 0 drafted and 0 accepted tokens, this run")
 
 
 def test_a_usage_chunk_without_counts_says_unknown(servers):

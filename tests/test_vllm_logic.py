@@ -1,5 +1,5 @@
 """vLLM backend logic without a server: config building, classification from per-step arrays (and the n-gram
-replay that places steps without drafts), /metrics parsing."""
+replay that places steps without drafts). Its /metrics counters: tests/test_server_counters.py."""
 
 import json
 import os
@@ -8,7 +8,6 @@ import pytest
 
 from engine.events import TokenKind
 from engine.vllm.config import speculative_config
-from engine.vllm.metrics import metrics_delta, parse_metrics
 from engine.vllm.server import ServerConfig, VLLMError
 from engine.vllm.steps import classify, kinds, ngram_proposal, replay_ngram
 
@@ -106,19 +105,3 @@ def test_replay_refuses_what_the_arrays_contradict():
     assert replay_ngram(prompt, output, [3], [3], NGRAM, 2048) is None  # 99 is not the draft 13
     assert replay_ngram(prompt, [20, 10, 11, 12, 99], [1], [3], NGRAM, 2048) is None  # "recovered" 12 = its draft
     assert replay_ngram(prompt, output, [2, 0], [3, 3], NGRAM, 2048) is None  # a step the replay never saw
-
-
-def test_parse_metrics_and_delta():
-    page = """# HELP x
-vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 5.0
-vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 20.0
-vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 12.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 5.0
-vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 4.0
-vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e9
-"""
-    after = parse_metrics(page)
-    assert after["num_drafts"] == 5 and after["num_accepted_tokens"] == 12 and after["per_pos"] == {0: 5.0, 1: 4.0}
-    before = parse_metrics(page.replace("5.0", "2.0").replace("20.0", "8.0"))
-    d = metrics_delta(before, after)
-    assert d["num_drafts"] == 3 and d["num_draft_tokens"] == 12 and d["per_pos"][0] == 3

@@ -178,8 +178,10 @@ def test_metrics_deltas_agree_with_the_request(vllm):
     steps = [st for st in s.steps if st.drafted]
     assert counters.drafts == len(steps)
     assert counters.draft_tokens == sum(st.drafted for st in steps)
-    # the server also counts drafts accepted in a last step that a stop condition cut short
+    # the server also counts drafts accepted in a last step that a stop condition cut short: said, not flagged
     assert counters.accepted_tokens >= s.metrics.accepted
+    assert counters.mismatch is None, counters.mismatch
+    assert (counters.expected_difference is not None) == (counters.accepted_tokens > s.metrics.accepted)
     assert len(counters.per_position_acceptance) == 4
 
 

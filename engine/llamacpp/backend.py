@@ -16,6 +16,11 @@ Every token streams with its kind, exact where llama.cpp's per-token timings pla
 `pending` where they cannot (a multi-byte character across target passes); nothing is guessed, so no Reclassified
 follows. llama.cpp counts rejected drafts but never streams them: their text is unknown.
 
+Where a speculative server exports its counters (llama-server --metrics: the managed engines are started with it),
+they are read before and after each run (engine.serving.counters): the server's own count beside the run's, a
+disagreement flagged. llama-server adds a request to its counters when it ends the request, right after its final
+chunk, so the reading after the stream holds the run.
+
 Greedy identity: llama.cpp verifies a pass's drafts in one batch, and a batch of several positions does not compute
 bit for bit the numbers a single-token decoding step computes (other kernels, another summation order), so where
 two tokens are nearly tied the speculative engine's greedy choice can differ from the baseline's: the check then
@@ -67,6 +72,8 @@ class LlamaCppBackend(ServerBackend):
 
     name = "llamacpp"
     error = LlamaCppError
+    counter_prefix = "llamacpp:spec_decode_"
+    counters_hint = " (llama-server exports them when started with --metrics)"
 
     def __init__(self, urls: dict[str, str], configs: dict[str, EngineConfig | None], api_key: str | None = None,
                  servers: list[LlamaCppEngine] | None = None, stall_timeout: float = 60.0, slots: int = 1,
@@ -237,6 +244,7 @@ class LlamaCppBackend(ServerBackend):
         tracker = StepTracker(engine != "baseline")
         url = self.urls[engine]
         content, gaps, final, warned = [], [], None, set()
+        before = self.scrape(engine) if engine != "baseline" else None
         t0 = clock()
         try:
             prompt = render_prompt(url, self.headers, req)
@@ -263,6 +271,9 @@ class LlamaCppBackend(ServerBackend):
         if gaps and not result.error:
             self._fill_ids(url, result, gaps)
         self._finish(engine, result, tracker, final)
+        if engine != "baseline":
+            # a stop inside a pass cuts its accepted drafts from the placed steps; the server counted them all
+            self.counted(engine, before, result, cut=tracker.accepted - (result.metrics.accepted or 0))
         yield result
 
     def _tokens(self, engine: str, chunk, placements: list, result: RunResult, gaps: list,

@@ -51,7 +51,7 @@ METHODS = {
 }
 DRAFT_MODEL_METHODS = ("draft", "eagle3")  # a second GGUF drafts (an EAGLE-3 head is a GGUF of its own)
 BASE_OPTIONS = ("model.path", "n_ctx", "n_parallel", "port", "hostnames", "api_keys", "cpuparams.n_threads",
-                "cpuparams_batch.n_threads", "speculative.types", "verbosity")
+                "cpuparams_batch.n_threads", "speculative.types", "verbosity", "endpoint_metrics")
 # the options each method's settings need; K is draft.n_max for the draft methods, the n-gram types' own length
 METHOD_OPTIONS = {
     "draft": ("speculative.draft.mparams.path", "speculative.draft.n_max", "speculative.draft.n_min",
@@ -185,6 +185,7 @@ def build_params(config: EngineConfig, port: int = 0):
     p.hostnames = ["127.0.0.1"]
     p.port = port
     p.verbosity = 1
+    p.endpoint_metrics = True  # /metrics: the server's own spec-decode counters, read beside each run's
     p.cpuparams.n_threads = config.threads
     p.cpuparams_batch.n_threads = config.threads
     if config.api_key:
@@ -233,7 +234,7 @@ def server_args(config: EngineConfig) -> list[str]:
         raise LlamaCppError(f"unknown llama.cpp method {config.method!r}; methods: {', '.join(METHODS)}")
     out = ["--model", config.model, "--ctx-size", str(config.ctx), "--parallel", str(config.parallel),
            "--host", "127.0.0.1", "--port", "0", "--threads", str(config.threads),
-           "--threads-batch", str(config.threads), "--no-webui"]
+           "--threads-batch", str(config.threads), "--no-webui", "--metrics"]
     if config.method == "none":
         return out
     out += ["--spec-type", SPEC_TYPES[config.method]]

@@ -9,15 +9,25 @@ is no cost model of ours to calibrate."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from functools import cached_property
 from typing import Callable, Iterator, Protocol, Sequence
 
+import httpx
+
 from engine.backend import DRAFTING_SETTINGS
-from engine.events import Event
+from engine.events import Event, RunResult
 from engine.limits import SettingsError
 from engine.request import Request
+from engine.serving.counters import parse_counters, server_counters
+from engine.serving.http_safety import ResponseRefused, endpoint, fetch, redact
 from engine.serving.stream import ServerError
+
+log = logging.getLogger(__name__)
+
+SCRAPE_TIMEOUT_S = 5.0  # a /metrics page is small and the server answers it between steps
 
 
 class Server(Protocol):
@@ -50,13 +60,17 @@ def start_in_turn(servers: Sequence[Server], on_progress: Callable | None = None
 
 class ServerBackend:
     """engine.backend.Backend's server-side half: the lifecycle and the answers every server backend gives alike.
-    A subclass sets `name`, `error` (its ServerError), `urls` (engine -> URL) and `servers` (the managed processes,
-    baseline first; empty when attached), and implements `_stream(engine, req, cancel, clock)` and `warm_up()`."""
+    A subclass sets `name`, `error` (its ServerError), `urls` (engine -> URL), `headers` (sent with every request),
+    `servers` (the managed processes, baseline first; empty when attached) and `counter_prefix` (its /metrics
+    counters' prefix), and implements `_stream(engine, req, cancel, clock)` and `warm_up()`."""
 
     name = "server"
     error: type[ServerError] = ServerError
     urls: dict[str, str]
+    headers: dict
     servers: list
+    counter_prefix = ""  # e.g. "vllm:spec_decode_"
+    counters_hint = ""  # where a server has none: how to start it with them
 
     # --- lifecycle -------------------------------------------------------------------------------------------------
 
@@ -96,6 +110,7 @@ class ServerBackend:
 
     def _serve_speculative(self, server: Server, started: Callable[[], None]) -> None:
         self.servers[1], self.urls["speculative"] = server, server.url
+        self._without_counters.discard("speculative")  # a managed server is started with its counters on
         started()
 
     def close(self) -> None:
@@ -127,3 +142,46 @@ class ServerBackend:
 
     def _stream(self, engine: str, req: Request, cancel, clock) -> Iterator[Event]:
         raise NotImplementedError
+
+    # --- the server's own counters ----------------------------------------------------------------------------------
+
+    def scrape(self, engine: str) -> dict | None:
+        """`engine`'s server's spec-decode counters (engine.serving.counters.parse_counters), or None (unknown, with
+        a log warning) where its /metrics cannot be read; never an error of the run's. A server without the page
+        (llama-server started without --metrics answers 501) or without the counters is said once and not asked
+        again."""
+        if engine in self._without_counters:
+            return None
+        try:
+            resp = fetch("GET", endpoint(self.urls[engine], "/metrics"), headers=self.headers,
+                         timeout=SCRAPE_TIMEOUT_S)
+        except (httpx.HTTPError, httpx.InvalidURL, ResponseRefused, ServerError) as e:
+            log.warning("the %s server's /metrics could not be read (%s: %s): its counters are unknown for this "
+                        "run", engine, type(e).__name__, redact(str(e))[:200])
+            return None
+        if resp.status_code in (404, 501) or resp.status_code == 200 and self.counter_prefix not in resp.text:
+            self._without_counters.add(engine)
+            why = (f"answered {resp.status_code}" if resp.status_code != 200
+                   else f"has no {self.counter_prefix}* counters")
+            log.warning("the %s server's /metrics %s: its counters are unknown%s", engine, why, self.counters_hint)
+            return None
+        if resp.status_code != 200:
+            log.warning("the %s server's /metrics answered %d: its counters are unknown for this run", engine,
+                        resp.status_code)
+            return None
+        return parse_counters(resp.text, self.counter_prefix)
+
+    def counted(self, engine: str, before: dict | None, result: RunResult, cut: int = 0) -> None:
+        """The server's count of the run (its counters read now, and `before` it) into result.metrics.server_counters,
+        beside the run's drafted / accepted (engine.serving.counters.server_counters: `cut` and the expected
+        differences). Not read where `before` is unknown, or the run failed (its server may not answer)."""
+        if before is None or result.error:
+            return
+        m = result.metrics
+        m.server_counters = server_counters(before, self.scrape(engine), m.drafted, m.accepted, cut=cut,
+                                            shared=not self.servers, stopped=result.finish_reason == "cancelled")
+
+    @cached_property
+    def _without_counters(self) -> set[str]:
+        """The engines whose server has no counters to read (said once)."""
+        return set()

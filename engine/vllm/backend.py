@@ -22,7 +22,8 @@ otherwise). The kinds are yielded as one Reclassified event before the RunResult
 provisional ones (metrics["provisional_accuracy"]: how often the guess was right); tokens already yielded are never
 changed. Where the tokens cannot be placed, the server's counts are still shown, the figures that need the placement
 say "unknown", and the tokens keep their provisional kinds. Server-wide counters from /metrics
-(engine.vllm.metrics), read before and after a run, give per-position acceptance.
+(engine.serving.counters), read before and after a run, give per-position acceptance and the server's own count
+beside the run's, a disagreement flagged.
 
 Server processes (start, stop, never outliving the console) live in engine.vllm.server; the methods and their
 --speculative-config in engine.vllm.config.
@@ -49,14 +50,13 @@ from engine.events import Event, Reclassified, RunResult, StepRecord, TokenEvent
 from engine.serving.http_safety import ResponseRefused, afetch, endpoint, fetch, number, redact
 from engine.limits import SettingsError
 from engine.metrics import run_metrics
-from engine.run_metrics import STEPS_UNKNOWN, ServerCounters
+from engine.run_metrics import STEPS_UNKNOWN
 from engine.prompts import chat_messages
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.serving.backend import ServerBackend, start_in_turn
 from engine.serving.stream import Cancelled, ServerError, stream_chunks
 from engine.vllm.client import parse_chunk, request_body
-from engine.vllm.metrics import metrics_delta, parse_metrics
 from engine.vllm.config import METHODS, config_of, drafting_of, server_label
 from engine.vllm.server import ServerConfig, VLLMError, VLLMServer, has_gpu, memory_shares
 from engine.vllm.steps import ChunkGuess, kinds, ngram_drafts, place_steps, provisional_accuracy, replays_ngram
@@ -75,6 +75,7 @@ class VLLMBackend(ServerBackend):
 
     name = "vllm"
     error = VLLMError
+    counter_prefix = "vllm:spec_decode_"
 
     def __init__(self, baseline_url: str, speculative_url: str, model: str, api_key: str | None = None,
                  servers: list[VLLMServer] | None = None, stall_timeout: float = 60.0,
@@ -293,14 +294,6 @@ class VLLMBackend(ServerBackend):
 
     # --- runs ------------------------------------------------------------------------------------------------------
 
-    def scrape(self, engine: str) -> dict | None:
-        """The server's spec-decode counters (engine.vllm.metrics), or None where /metrics cannot be read."""
-        resp = fetch("GET", endpoint(self.urls[engine], "/metrics"), headers=self.headers, timeout=10)
-        if resp.status_code != 200:
-            log.warning("the %s server's /metrics answered %d: its counters are unknown", engine, resp.status_code)
-            return None
-        return parse_metrics(resp.text)
-
     def _stream(self, engine: str, req, cancel, clock, stall_timeout: float | None = None) -> Iterator[Event]:
         req.validate()
         config = self._config(engine)
@@ -309,7 +302,7 @@ class VLLMBackend(ServerBackend):
         t0 = clock()
         final, before, prompt_ids = None, None, None  # final: the chunk with the usage (and the server's counts)
         content = []  # the server's own detokenized text (special tokens skipped)
-        reclassified, said = None, {}  # said: the figures the server gives (RunMetrics fields), over ours
+        reclassified, said, cut = None, {}, 0  # said: the figures the server gives (RunMetrics fields), over ours
         path, body = request_body(req, self.model)
         k = config.get("num_speculative_tokens")
         guess = ChunkGuess(k) if engine != "baseline" and isinstance(k, int) and k > 0 else None
@@ -331,7 +324,7 @@ class VLLMBackend(ServerBackend):
             except Cancelled:
                 result.finish_reason = "cancelled"
             result.output_text = "".join(content)
-            reclassified, said = self._finish(engine, result, final, before, prompt_ids)
+            reclassified, said, cut = self._finish(engine, result, final, prompt_ids)
         except (httpx.HTTPError, ResponseRefused, ServerError, ValueError) as e:
             what = "stopped answering" if isinstance(e, httpx.TimeoutException) else "failed"
             result.finish_reason = "error"
@@ -343,6 +336,8 @@ class VLLMBackend(ServerBackend):
         result.output_text = result.output_text or "".join(t.text for t in result.output_tokens)
         result.output_ids = [t.token_id for t in result.output_tokens]
         result.metrics = replace(run_metrics(result), **said)
+        if engine != "baseline":
+            self.counted(engine, before, result, cut)
         yield result
 
     def _tokens(self, engine: str, streamed, result: RunResult, now: float,
@@ -362,11 +357,12 @@ class VLLMBackend(ServerBackend):
             result.tokens.append(event)
             yield event
 
-    def _finish(self, engine: str, result: RunResult, final, before: dict | None,
-                prompt_ids: list[int] | None) -> tuple[Reclassified | None, dict]:
+    def _finish(self, engine: str, result: RunResult, final,
+                prompt_ids: list[int] | None) -> tuple[Reclassified | None, dict, int]:
         """The steps into result.steps and, where the speculative tokens can be placed, their kinds: new TokenEvents
         in result.tokens, and the Reclassified event that says so. Also the figures the server gives (RunMetrics
-        fields), which replace those computed from the events."""
+        fields), which replace those computed from the events, and the accepted drafts a stop cut off (the server
+        counted them; the placed steps stop at the output's end)."""
         metrics = (final.metrics if final else None) or {}
         # the server's own timings; one that is not a possible figure is unknown (the nested counts come below)
         server = {k: number(v, f"metrics.{k}") for k, v in metrics.items()
@@ -377,19 +373,13 @@ class VLLMBackend(ServerBackend):
         said = {"server": server}
         if engine == "baseline":
             result.steps = [StepRecord(t.index, 0, 0, 1, 0.0, 0.0, t.time_s) for t in result.tokens]
-            return None, said
-        delta = metrics_delta(before, self.scrape(engine))
-        if delta:
-            drafts = delta["num_drafts"]
-            said["server_counters"] = ServerCounters(
-                drafts, delta["num_draft_tokens"], delta["num_accepted_tokens"],
-                [v / drafts for _, v in sorted(delta["per_pos"].items())] if drafts else [])
+            return None, said, 0
         spec = metrics.get("speculative_decoding")
         if not isinstance(spec, dict) or not spec:
             why = ("the run ended before the server's counts arrived" if result.finish_reason == "cancelled" else
                    "the server returned no per-request speculative counts (vLLM returns them when started with "
                    "--per-request-spec-decode-metrics detailed)")
-            return None, said | STEPS_UNKNOWN | {"highlighting": f"unknown: {why}; {_unplaced(result)}"}
+            return None, said | STEPS_UNKNOWN | {"highlighting": f"unknown: {why}; {_unplaced(result)}"}, 0
         accepted, drafted = spec.get("per_step_accepted") or [], spec.get("per_step_drafted") or []
         steps, how = place_steps([t.token_id for t in result.tokens], accepted, drafted, prompt_ids,
                                  self._config(engine), self.max_model_len)
@@ -403,7 +393,7 @@ class VLLMBackend(ServerBackend):
                 "steps": n_steps, "drafted": n_drafted, "accepted": count("num_accepted_draft_tokens"),
                 "acceptance_rate": count("draft_acceptance_rate", 1.0, False) if n_drafted else None,
                 "mean_accepted_length": count("mean_acceptance_length", 1e6, False) if n_steps else None,
-                "highlighting": f"{how}; {_unplaced(result)}"}
+                "highlighting": f"{how}; {_unplaced(result)}"}, 0
         said["highlighting"] = how
         placed = kinds(steps, len(result.tokens))
         said["provisional_accuracy"] = provisional_accuracy(
@@ -415,7 +405,8 @@ class VLLMBackend(ServerBackend):
             mine = [t for t in result.tokens if t.step == step]
             if mine:  # a stop condition can cut the last step short
                 result.steps.append(StepRecord(step, d, min(a, len(mine)), len(mine), 0.0, 0.0, mine[-1].time_s))
-        return Reclassified(engine, [(t.index, t.kind, t.step, t.position) for t in result.tokens]), said
+        cut = sum(a for _, a in steps) - sum(s.accepted for s in result.steps)
+        return Reclassified(engine, [(t.index, t.kind, t.step, t.position) for t in result.tokens]), said, cut
 
     def _config(self, engine: str) -> dict:
         """The --speculative-config of `engine`'s server ({} for the baseline, or where it is not known)."""
