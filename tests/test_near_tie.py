@@ -4,7 +4,6 @@ show them at the first divergence (engine.metrics.near_tie)."""
 
 import pandas as pd
 import pytest
-import torch
 
 from engine.events import RunResult, TokenEvent, TokenKind
 from engine.exact.forward import forward, new_cache
