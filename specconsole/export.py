@@ -30,7 +30,8 @@ from pathlib import Path
 
 from engine.run_metrics import RunMetrics
 from specconsole.columns import COMPARISON_DETAIL, COMPARISON_FIGURES, ENGINE_CSV, RUN_CSV, engine_figures
-from specconsole.history import EVENT_TABLES, History
+from specconsole.history import History
+from specconsole.history_schema import EVENT_TABLES
 
 log = logging.getLogger(__name__)
 

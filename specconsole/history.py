@@ -3,8 +3,8 @@
 Tables: runs (one row per comparison: settings, prompt, status and the headline figures the History table lists),
 engines (one row per engine of a run: its label, drafting settings, output, metrics and comparison with the
 baseline; "baseline", "speculative", "speculative-2", ...), and tokens, steps and policy (the engines' events), so that
-a past run can be rebuilt event for event. The schema has a version (SQLite's user_version, SCHEMA_VERSION); a file
-of an older version is migrated when it is opened (`_migrate`), one of a newer version is refused.
+a past run can be rebuilt event for event. The schema has a version (SQLite's user_version; specconsole.history_schema);
+a file of an older version is migrated when it is opened, one of a newer version is refused.
 
 The file uses WAL journaling and short transactions. While a run goes on, its new events are appended about once a
 second (`save_events`); the end of the run writes the rest and the summary.
@@ -34,6 +34,7 @@ from engine.events import PolicyAction, PolicyEvent, RunResult, StepRecord, Toke
 from engine.metrics import run_metrics
 from engine.run_metrics import RunMetrics
 from specconsole.columns import LIST
+from specconsole.history_schema import EVENT_TABLES, create
 from specconsole.run_owner import owner, owner_gone
 
 log = logging.getLogger(__name__)
@@ -42,42 +43,6 @@ log = logging.getLogger(__name__)
 class HistoryError(RuntimeError):
     """The database cannot be opened or written; the message says which file and what to do."""
 
-
-# 1: no version set (the runs table held the baseline's and the main speculative engine's output, metrics and error);
-# 2: every engine's output, metrics and error in the engines table only
-SCHEMA_VERSION = 2
-# the runs table's columns of version 1 that version 2 keeps in the engines table
-ENGINE_COLUMNS_OF_V1 = {engine: {f"{engine}_{part}": part for part in ("output", "metrics", "error")}
-                        for engine in ("baseline", "speculative")}
-
-RUN_COLUMNS = {
-    "id": str, "created_at": str, "finished_at": str, "status": str, "error": str, "category": str, "prompt": str,
-    "backend": str, "target_model": str, "draft_model": str, "method": str, "mode": str, "settings": str,
-    "suite_id": str, "sweep_variable": str, "sweep_value": str, "comparison": str,
-    # the headline figures, for the History table (the main speculative engine against the baseline)
-    "speedup": float, "acceptance_rate": float, "mean_accepted_length": float, "baseline_tps": float,
-    "speculative_tps": float, "identical": int, "first_divergence": int,
-    # trust: was the machine busy with other work during the run; is the sampled output as likely as the target's
-    "noisy": int, "sampling_check": str, "nll_baseline": float, "nll_speculative": float, "repeat": int,
-    # the process that runs it: a run is "interrupted" only once this process is gone
-    "owner_host": str, "owner_pid": int, "owner_started": str,
-}
-
-
-EVENT_TABLES = {  # the engines' events, one row each, keyed by run and engine
-    "tokens": {"run_id": str, "engine": str, "seq": int, "kind": str, "token_id": int, "text": str, "step": int,
-               "position": int, "time_s": float, "idx": int, "p": float, "q": float,
-               "provisional": int,  # 1: the kind is a guess from a vLLM stream's chunks, not (yet) confirmed
-               "runner_up": int, "margin": float},  # greedy, our engine: the target's second choice and its margin
-    "steps": {"run_id": str, "engine": str, "step": int, "drafted": int, "accepted": int, "emitted": int,
-              "draft_ms": float, "verify_ms": float, "time_s": float, "drafter": str,
-              "ignored": int},  # NULL: not known (a server), or saved before it was counted
-    "policy": {"run_id": str, "engine": str, "step": int, "action": str, "k": int, "reason": str, "time_s": float},
-}
-
-# One row per engine of a run. JSON in settings, metrics (engine.run_metrics.RunMetrics) and comparison.
-ENGINE_COLUMNS = {"run_id": str, "engine": str, "label": str, "method": str, "settings": str, "output": str,
-                  "metrics": str, "comparison": str, "error": str}
 
 LIST_COLUMNS = [c.key for c in LIST if c.key != "prompt"]  # the History table's (the prompt: its start only)
 
@@ -146,69 +111,13 @@ class History:
             if ok != "ok":
                 raise sqlite3.DatabaseError(ok)
             self.db = sqlite_utils.Database(conn)
-            self._create()
+            create(self.db)
             self._mark_interrupted()
         except (sqlite3.DatabaseError, OSError) as e:
             raise HistoryError(
                 f"the history database {self.path} cannot be used ({e}). Move the file away to start a new history, "
                 "or pass another path with --db."
             ) from e
-
-    def _create(self) -> None:
-        version = self.db.execute("PRAGMA user_version").fetchone()[0]
-        if version > SCHEMA_VERSION:
-            raise sqlite3.DatabaseError(f"it was written by a newer SpecConsole (history schema {version}; this "
-                                        f"version reads up to {SCHEMA_VERSION})")
-        runs = self.db["runs"]
-        older = runs.exists() and version < SCHEMA_VERSION
-        runs.create(RUN_COLUMNS, pk="id", if_not_exists=True)
-        for name, kind in RUN_COLUMNS.items():  # a database from an older version gains the new columns
-            if name not in runs.columns_dict:
-                runs.add_column(name, kind)
-        for columns in (["created_at"], ["suite_id"], ["status"], ["category", "created_at"]):
-            runs.create_index(columns, if_not_exists=True)
-        self.db.execute("DROP INDEX IF EXISTS idx_runs_category")  # covered by (category, created_at)
-        for table, columns in EVENT_TABLES.items():
-            self.db[table].create(columns, foreign_keys=[("run_id", "runs", "id")], if_not_exists=True)
-            for name, kind in columns.items():  # a database from an older version gains the new columns
-                if name not in self.db[table].columns_dict:
-                    self.db[table].add_column(name, kind)
-            # tokens are read per run and engine in order (rebuilding a run, the CSV export): one index does it all
-            self.db[table].create_index(["run_id", "engine", "seq"] if table == "tokens" else ["run_id"],
-                                        if_not_exists=True)
-        self.db.execute("DROP INDEX IF EXISTS idx_tokens_run_id")
-        self.db["engines"].create(ENGINE_COLUMNS, pk=("run_id", "engine"), foreign_keys=[("run_id", "runs", "id")],
-                                  if_not_exists=True)
-        if older:
-            self._migrate()
-        self.db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-
-    def _migrate(self) -> None:
-        """Version 1 to 2: the baseline's and the main speculative engine's output, metrics and error move from the
-        runs table's columns into the engines table (a run saved before that table existed gains its two rows)."""
-        runs = self.db["runs"].columns_dict
-        with self.db.atomic():
-            for engine, columns in ENGINE_COLUMNS_OF_V1.items():
-                if not set(columns) <= set(runs):
-                    continue
-                output, metrics, error = columns
-                method = "method" if engine == "speculative" else "'none'"
-                self.db.execute(
-                    f"INSERT OR IGNORE INTO engines (run_id, engine, label, method, settings) "
-                    f"SELECT id, ?, ?, {method}, '{{}}' FROM runs WHERE coalesce({output}, {metrics}, {error}) IS NOT "
-                    f"NULL OR EXISTS (SELECT 1 FROM tokens WHERE run_id = runs.id AND engine = ?)",
-                    [engine, engine, engine])
-                comparison = "r.comparison" if engine == "speculative" else "NULL"  # the main one's is the run's
-                self.db.execute(
-                    f"UPDATE engines SET output = coalesce(engines.output, r.{output}), metrics = coalesce("
-                    f"engines.metrics, r.{metrics}), error = coalesce(engines.error, r.{error}), comparison = "
-                    f"coalesce(engines.comparison, {comparison}) FROM runs AS r WHERE r.id = engines.run_id AND "
-                    f"engines.engine = ?", [engine])
-            for engine, columns in ENGINE_COLUMNS_OF_V1.items():
-                for column in columns:
-                    if column in runs:
-                        self.db.execute(f"ALTER TABLE runs DROP COLUMN {column}")
-        log.info("the history %s was migrated to schema version %d", self.path, SCHEMA_VERSION)
 
     def _mark_interrupted(self) -> None:
         """Runs left 'running' by a process that is gone: 'interrupted', with the output they had streamed."""

@@ -85,7 +85,7 @@ def test_the_servers_counters_disagreement_is_exported(tmp_path):
 
 
 def test_a_history_file_of_a_newer_schema_is_refused_untouched(tmp_path):
-    from specconsole.history import SCHEMA_VERSION
+    from specconsole.history_schema import SCHEMA_VERSION
 
     path = tmp_path / "h.db"
     History(path).db.conn.close()
