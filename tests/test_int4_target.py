@@ -1,6 +1,7 @@
 """The int4 target (engine.exact.grouped_int8.GroupedInt4Linear): the int8 kernel on a GGUF's own 4-bit codes. Each
 row of a pass is what a one-row pass gives it, the 4-bit layout holds what the 8-bit one would, the codes are exactly
-the file's, and greedy speculative output equals the baseline's, on a tiny model and on real weights."""
+the file's, a Q4_K tensor's scale form (GroupedQ4KLinear) gives the float32 scales' bits, and greedy speculative
+output equals the baseline's, on a tiny model and on real weights."""
 
 import copy
 import logging
@@ -11,7 +12,8 @@ import torch
 from torch import nn
 
 from engine.exact import grouped_int8
-from engine.exact.grouped_int8 import GROUP, GroupedInt4Linear, GroupedInt8Linear, blocked, int4_of_gguf
+from engine.exact.grouped_int8 import (GROUP, SUPER, GroupedInt4Linear, GroupedInt8Linear, GroupedQ4KLinear, blocked,
+                                       int4_of_gguf)
 from engine.exact.optimize import convert_linears, finish, free_rows, linear_converter, prepare_draft
 from tests.conftest import CPU, perturbed, skip_or_fail, tiny_llama
 from tests.test_int8_target import ROWS, VNNI, reference
@@ -80,6 +82,52 @@ def test_four_bit_codes_give_the_bits_of_the_same_weights_in_eight(vnni):
     assert torch.equal(four.dequantized(), eight.dequantized())
 
 
+def q4_k_groups(n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """four_bit_groups' tuple for a random Q4_K tensor [n, k]: codes, scale and low as four_bit_groups computes them
+    from d, dmin (float16, some zero, some subnormal, some negative) and 6-bit sc, m (some zero)."""
+    torch.manual_seed(seed)
+    code = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    d, dmin = (torch.randn(n, k // (GROUP * SUPER)) * 1e-3 for _ in range(2))
+    for t in (d, dmin):
+        t.view(-1)[::7], t.view(-1)[3::11], t.view(-1)[5::13] = 0, 3e-6, -t.view(-1)[5::13]
+    d, dmin = d.half(), dmin.half()
+    sc, m = (torch.randint(0, 64, (n, k // GROUP), dtype=torch.uint8) for _ in range(2))
+    m.view(-1)[::5] = 0  # low = -0.0
+    scale = d.float().repeat_interleave(SUPER, dim=1) * sc.float()
+    low = -(dmin.float().repeat_interleave(SUPER, dim=1) * m.float())
+    return code, scale, low, d, dmin, sc, m
+
+
+def q4_k_pair(n: int, k: int, seed: int = 0) -> tuple[GroupedQ4KLinear, GroupedInt4Linear]:
+    """One random Q4_K tensor's Linear in the scale form and in float32 scales, as int4_of_gguf builds them."""
+    groups = q4_k_groups(n, k, seed)
+    code, scale, low = groups[:3]
+    linear = nn.Linear(k, n)
+    linear.weight.data = (code.float().reshape(n, -1, GROUP) * scale[..., None] + low[..., None]).reshape(n, k)
+    compact, floats = int4_of_gguf(linear, groups), int4_of_gguf(linear, groups[:3])
+    assert type(compact) is GroupedQ4KLinear and type(floats) is GroupedInt4Linear
+    return compact, floats
+
+
+@pytest.mark.parametrize("vnni", VNNI)
+@pytest.mark.parametrize("shape", [(256, 40), (512, 200), (1536, 256), (1536, 8960), (8960, 1536)])  # (in, out)
+def test_the_q4_k_scale_form_gives_the_float32_scales_bits(shape, vnni):
+    """The kernel's scale = float(d) * sc and low = float(-dmin) * m, computed per group as the pass runs, are the
+    float32 scales' and lows' bits (a zero's sign too), so every output is: every pass size from 1 to 300 rows."""
+    compact, floats = q4_k_pair(shape[1], shape[0])
+    compact.vnni = floats.vnni = vnni
+    assert compact.code.shape[-1] == 256 and compact.d_dmin.dtype == torch.float16
+    for mine, theirs in zip(compact.unblocked(), floats.unblocked()):  # the layer's rows (not the padding's)
+        assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8))
+    x = torch.randn(300, shape[0]) * torch.rand(300, 1) * 4
+    for rows in range(1, 301) if shape[0] * shape[1] < 1 << 20 else [*ROWS, 300]:
+        assert torch.equal(compact(x[:rows]), floats(x[:rows])), f"{rows} rows differ"
+    # 18.5 bytes per 32 weights against 24 (the bias aside)
+    weights = shape[0] * -(-shape[1] // 16) * 16
+    assert [sum(b.nbytes for n, b in m.named_buffers() if n != "bias") for m in (compact, floats)] == [
+        weights * 37 // 64, weights * 3 // 4]
+
+
 def test_the_converter_keeps_the_files_codes_and_falls_back_to_int8(caplog):
     torch.manual_seed(2)
     linear = nn.Linear(64, 48)
@@ -94,6 +142,17 @@ def test_the_converter_keeps_the_files_codes_and_falls_back_to_int8(caplog):
     with caplog.at_level(logging.WARNING):
         assert type(int4_of_gguf(linear, reordered)) is GroupedInt8Linear
     assert "do not give back its weight" in caplog.text
+    # a Q4_K tensor: its scale terms kept, unless they do not give its scales
+    linear = nn.Linear(256, 48)
+    groups = q4_k_groups(48, 256, seed=2)
+    code, scale, low = groups[:3]
+    linear.weight.data = (code.float().reshape(48, -1, GROUP) * scale[..., None] + low[..., None]).reshape(48, 256)
+    layer = int4_of_gguf(linear, groups)
+    assert type(layer) is GroupedQ4KLinear and torch.equal(layer.dequantized(), linear.weight.data)
+    wrong = (*groups[:5], groups[5].flip(0), groups[6])
+    with caplog.at_level(logging.WARNING):
+        assert type(int4_of_gguf(linear, wrong)) is GroupedInt4Linear
+    assert "scale terms do not give its scales" in caplog.text
     # a float weight (a Q6_K tensor's) is not passed to int4_of_gguf: the int4 target's converter gives int8 codes
     assert linear_converter("target", torch.device("cpu"), precision="int4") is GroupedInt8Linear
 
@@ -126,9 +185,15 @@ def test_four_bit_groups_are_the_files_values_bitwise(model, qtype):
     entry = next(e for e in tensor_index(gguf, meta)["tensors"] if e["type"] == qtype and e["name"].startswith("blk"))
     raw = np.memmap(gguf, dtype=np.uint8, mode="r", offset=entry["offset"], shape=(entry["nbytes"],))
     data = raw.view(np.dtype(entry["dtype"])).reshape(entry["shape"])
-    code, scale, low = four_bit_groups(data, qtype)
+    code, scale, low, *terms = four_bit_groups(data, qtype)
     values = code.float().reshape(*scale.shape, GROUP) * scale[..., None] + low[..., None]
     assert int(code.max()) <= 15 and torch.equal(values.reshape(code.shape), torch.from_numpy(dequantize(data, qtype)))
+    assert len(terms) == (4 if qtype == 12 else 0)  # Q4_K: d, dmin, sc, m
+    if terms:
+        d, dmin, sc, m = terms
+        d, dmin = (t.float().repeat_interleave(SUPER, dim=1) for t in (d, dmin))
+        assert torch.equal((d * sc.float()).view(torch.int32), scale.view(torch.int32))
+        assert torch.equal((-(dmin * m.float())).view(torch.int32), low.view(torch.int32))
     assert four_bit_groups(data, 14) is None  # Q6_K: not 4-bit groups
 
 
@@ -205,3 +270,42 @@ def test_the_default_is_int4_where_its_kernel_runs_and_float32_where_it_cannot(t
     loaded = local_factory(args)(None)
     assert loaded.precision == "int4" and [m for m in loaded.target.model.modules()
                                            if isinstance(m, GroupedInt8Linear)]
+
+
+@pytest.mark.slow  # two loads of the 1.5B target from its GGUF and one stored form: a minute or two
+def test_the_default_targets_q4_k_form_is_stored_mapped_and_gives_the_float32_scales_tokens(tmp_path):
+    """The default int4 target (Qwen2.5-Coder 1.5B, Q4_K_M) with its Q4_K Linears in the scale form, built and then
+    mapped from its stored form, against the same GGUF with float32 scales: the logits of a prompt bit for bit, and
+    the greedy baseline's tokens on two prompts."""
+    from transformers import AutoTokenizer
+
+    from engine.exact.backend import LocalBackend
+    from engine.exact.forward import forward, new_cache
+    from engine.exact.int8_store import load_stored, save
+    from engine.exact.models import LoadedModel
+    from engine.loading.gguf_load import load_gguf_model
+    from engine.loading.weights import gguf_model
+    from engine.request import Request
+    from tests.test_real_weights import PROMPTS, run
+
+    gguf, meta = gguf_model("qwen2.5-coder-1.5b-instruct")
+    convert = linear_converter("target", CPU, precision="int4")
+    compact = finish(load_gguf_model(gguf, meta, convert, four_bit=int4_of_gguf), "target")
+    floats = finish(load_gguf_model(gguf, meta, convert, four_bit=lambda linear, groups: int4_of_gguf(
+        linear, groups[:3])), "target")
+    forms = [[type(m) for m in model.modules() if isinstance(m, GroupedInt8Linear)] for model in (compact, floats)]
+    assert forms[0].count(GroupedQ4KLinear) > 100 and GroupedQ4KLinear not in forms[1]
+    assert [f is GroupedInt8Linear for f in forms[0]] == [f is GroupedInt8Linear for f in forms[1]]  # Q6_K: int8
+    save(compact, tmp_path / "target.pt")
+    mapped = finish(load_stored(tmp_path / "target.pt", meta), "target")
+    assert type(mapped.model.layers[0].mlp.gate_proj) is GroupedQ4KLinear
+
+    tokenizer = AutoTokenizer.from_pretrained(meta)
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    logits = [forward(model, ids, new_cache(model), keep=len(ids)) for model in (compact, mapped, floats)]
+    assert torch.equal(logits[0], logits[2]) and torch.equal(logits[1], logits[2])
+    for prompt in PROMPTS[:2]:
+        req = Request(prompt=prompt, max_new_tokens=24)
+        outputs = [run(LocalBackend(LoadedModel(name, model, tokenizer, CPU)), req, "baseline").output_ids
+                   for name, model in (("q4_k", mapped), ("float32 scales", floats))]
+        assert outputs[0] == outputs[1] and len(outputs[0]) > 0

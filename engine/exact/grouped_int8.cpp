@@ -14,6 +14,13 @@
 // code[16 b + j, 32 g + 8 p + 4 + t] in the high one. Unpacked, each nibble is the vector the 8-bit layout has for
 // q = 2 p or 2 p + 1, and the arithmetic is the same.
 //
+// The Q4_K form (int4 layers from a GGUF Q4_K tensor) keeps the file's scale terms instead of float32 scale and low:
+// per block, super-block s of 8 groups and lane j, fp16 d and -dmin at [s][0][j] and [s][1][j]; per group g, 6-bit
+// sc and m as bytes at [g][0][j] and [g][1][j]. The kernel computes scale = float(d) * sc and low = float(-dmin) * m
+// in float32 (bitwise -(float(dmin) * m): rounding is symmetric in sign), as engine.loading.gguf_dequant's
+// four_bit_groups does, then the same steps as with stored ones: the same bits from 18.5 bytes per 32 weights
+// instead of 24 (a decoding step reads every weight once).
+//
 // Each output element comes from its own input row by one fixed sequence of operations, whatever the number of
 // rows in the pass or which rows share a call: a row gets the same bits in a pass of 1 row or of 300
 // (tests/test_int8_target.py). Built with -ffp-contract=off, so the compiler fuses no multiply-add of its own.
@@ -28,6 +35,9 @@ namespace {
 constexpr int G = 32;        // weights and activations sharing one scale
 constexpr int LANES = 16;    // outputs in a block
 constexpr int BLOCK = G * LANES;  // bytes of codes per block and group
+constexpr int SUPER = 8;     // groups per Q4_K super-block
+
+enum Form { INT8, INT4, INT4_K };  // 8-bit codes, 4-bit codes, 4-bit codes with the Q4_K form's scales
 
 inline int32_t quad(const int8_t* p) {  // 4 activations as one 32-bit lane
   int32_t v;
@@ -35,11 +45,34 @@ inline int32_t quad(const int8_t* p) {  // 4 activations as one 32-bit lane
   return v;
 }
 
+// 8 bytes, or 8 float16 (F16C's conversion: every CPU with AVX2 and FMA has it), as float32
+inline __m256 floats8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 floats8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// group g's scale and low in lanes 8 h .. 8 h + 7
+template <Form F>
+inline void scales_avx2(const void* scale, const void* low, int64_t g, int h, __m256& s, __m256& lo) {
+  if constexpr (F == INT4_K) {
+    const uint16_t* dm = static_cast<const uint16_t*>(scale) + g / SUPER * 2 * LANES + 8 * h;
+    const uint8_t* sm = static_cast<const uint8_t*>(low) + g * 2 * LANES + 8 * h;
+    s = _mm256_mul_ps(floats8(dm), floats8(sm));
+    lo = _mm256_mul_ps(floats8(dm + LANES), floats8(sm + LANES));
+  } else {
+    s = _mm256_loadu_ps(static_cast<const float*>(scale) + g * LANES + 8 * h);
+    lo = _mm256_loadu_ps(static_cast<const float*>(low) + g * LANES + 8 * h);
+  }
+}
+
 // AVX2: a block as two halves of 8 lanes; maddubs + madd give each lane its 4 products' sum (code * xq <= 127 * 127,
-// a pair fits int16). R rows at a time; NIBBLES: 4-bit codes.
-template <int R, bool NIBBLES>
-void block_avx2(const uint8_t* code, const float* scale, const float* low, int64_t groups, const int8_t* const* xq,
+// a pair fits int16). R rows at a time.
+template <int R, Form F>
+void block_avx2(const uint8_t* code, const void* scale, const void* low, int64_t groups, const int8_t* const* xq,
                 const float* const* xs, const float* const* xl, float* const* y) {
+  constexpr bool NIBBLES = F != INT8;
   const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(0x0F);
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -68,7 +101,8 @@ void block_avx2(const uint8_t* code, const float* scale, const float* low, int64
       }
     }
     for (int h = 0; h < 2; ++h) {
-      const __m256 s = _mm256_loadu_ps(scale + g * LANES + 8 * h), lo = _mm256_loadu_ps(low + g * LANES + 8 * h);
+      __m256 s, lo;
+      scales_avx2<F>(scale, low, g, h, s, lo);
       for (int r = 0; r < R; ++r) {
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(s, _mm256_set1_ps(xs[r][g])),
                                     acc[r][h]);
@@ -86,9 +120,30 @@ void block_avx2(const uint8_t* code, const float* scale, const float* low, int64
 // integers and the float steps the same operations lane by lane: both kernels give the same bits.
 #define VNNI __attribute__((target("avx512f,avx512vl,avx512bw,avx512vnni")))
 
-template <int R, bool NIBBLES>
-VNNI void block_vnni(const uint8_t* code, const float* scale, const float* low, int64_t groups,
+VNNI inline __m512 floats16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+VNNI inline __m512 floats16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <Form F>
+VNNI inline void scales_vnni(const void* scale, const void* low, int64_t g, __m512& s, __m512& lo) {
+  if constexpr (F == INT4_K) {
+    const uint16_t* dm = static_cast<const uint16_t*>(scale) + g / SUPER * 2 * LANES;
+    const uint8_t* sm = static_cast<const uint8_t*>(low) + g * 2 * LANES;
+    s = _mm512_mul_ps(floats16(dm), floats16(sm));
+    lo = _mm512_mul_ps(floats16(dm + LANES), floats16(sm + LANES));
+  } else {
+    s = _mm512_loadu_ps(static_cast<const float*>(scale) + g * LANES);
+    lo = _mm512_loadu_ps(static_cast<const float*>(low) + g * LANES);
+  }
+}
+
+template <int R, Form F>
+VNNI void block_vnni(const uint8_t* code, const void* scale, const void* low, int64_t groups,
                      const int8_t* const* xq, const float* const* xs, const float* const* xl, float* const* y) {
+  constexpr bool NIBBLES = F != INT8;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -112,7 +167,8 @@ VNNI void block_vnni(const uint8_t* code, const float* scale, const float* low, 
       }
     }
     for (int r = 0; r < R; ++r) dot[r] = _mm512_add_epi32(dot[r], odd[r]);
-    const __m512 s = _mm512_loadu_ps(scale + g * LANES), lo = _mm512_loadu_ps(low + g * LANES);
+    __m512 s, lo;
+    scales_vnni<F>(scale, low, g, s, lo);
     for (int r = 0; r < R; ++r) {
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(s, _mm512_set1_ps(xs[r][g])), acc[r]);
       acc[r] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xl[r][g]), acc[r]);
@@ -124,15 +180,14 @@ VNNI void block_vnni(const uint8_t* code, const float* scale, const float* low, 
 constexpr int RB = 4;        // rows per block call
 constexpr int64_t ROWS_IN_CACHE = 64;  // rows whose activations stay in cache while every block passes
 
-using BlockFn = void (*)(const uint8_t*, const float*, const float*, int64_t, const int8_t* const*,
+using BlockFn = void (*)(const uint8_t*, const void*, const void*, int64_t, const int8_t* const*,
                          const float* const*, const float* const*, float* const*);
-// the kernel for R rows at [nibbles][R - 1]
-constexpr BlockFn AVX2_BLOCK[2][RB] = {
-    {block_avx2<1, false>, block_avx2<2, false>, block_avx2<3, false>, block_avx2<4, false>},
-    {block_avx2<1, true>, block_avx2<2, true>, block_avx2<3, true>, block_avx2<4, true>}};
-constexpr BlockFn VNNI_BLOCK[2][RB] = {
-    {block_vnni<1, false>, block_vnni<2, false>, block_vnni<3, false>, block_vnni<4, false>},
-    {block_vnni<1, true>, block_vnni<2, true>, block_vnni<3, true>, block_vnni<4, true>}};
+// the kernel for R rows at [form][R - 1]
+#define ROWS_1_TO_4(f, F) {f<1, F>, f<2, F>, f<3, F>, f<4, F>}
+constexpr BlockFn AVX2_BLOCK[3][RB] = {ROWS_1_TO_4(block_avx2, INT8), ROWS_1_TO_4(block_avx2, INT4),
+                                       ROWS_1_TO_4(block_avx2, INT4_K)};
+constexpr BlockFn VNNI_BLOCK[3][RB] = {ROWS_1_TO_4(block_vnni, INT8), ROWS_1_TO_4(block_vnni, INT4),
+                                       ROWS_1_TO_4(block_vnni, INT4_K)};
 
 // x rows [M, K] float32 -> xq [M, K] int8, xscale [M, groups], xlow [M, groups] = xscale * the group's sum of xq
 std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x, int64_t groups) {
@@ -171,7 +226,8 @@ bool vnni_supported() {
 }
 
 // x [..., K] float32; code [N16 / 16, K / 32, 512] uint8 (or 256: 4-bit codes); scale, low [N16 / 16, K / 32, 16]
-// float32; bias [N] or None -> y [..., N] (N <= N16 = N rounded up to 16)
+// float32, or the Q4_K form's (4-bit codes): scale = d and -dmin [N16 / 16, K / 256, 2, 16] float16, low = sc and m
+// [N16 / 16, K / 32, 2, 16] uint8; bias [N] or None -> y [..., N] (N <= N16 = N rounded up to 16)
 torch::Tensor linear(torch::Tensor x, torch::Tensor code, torch::Tensor scale, torch::Tensor low,
                      c10::optional<torch::Tensor> bias, int64_t N, bool vnni) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && code.dtype() == torch::kUInt8, "float32 x and uint8 codes");
@@ -180,7 +236,19 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor code, torch::Tensor scale, t
   const int64_t blocks = code.size(0), groups = code.size(1), K = groups * G, N16 = blocks * LANES;
   const bool nibbles = code.size(2) == BLOCK / 2;
   TORCH_CHECK(nibbles || code.size(2) == BLOCK, "a block holds 512 codes or 256 bytes of 4-bit ones");
+  const Form form = !nibbles ? INT8 : scale.dtype() == torch::kFloat16 ? INT4_K : INT4;
+  if (form == INT4_K) {
+    TORCH_CHECK(groups % SUPER == 0 && low.dtype() == torch::kUInt8, "the Q4_K form: float16 d, -dmin; uint8 sc, m");
+    TORCH_CHECK(scale.numel() == blocks * groups / SUPER * 2 * LANES && low.numel() == blocks * groups * 2 * LANES,
+                "the Q4_K form's scales: [N16 / 16, K / 256, 2, 16] and [N16 / 16, K / 32, 2, 16]");
+  } else {
+    TORCH_CHECK(scale.dtype() == torch::kFloat32 && low.dtype() == torch::kFloat32, "float32 scales and lows");
+    TORCH_CHECK(scale.numel() == blocks * groups * LANES && low.numel() == blocks * groups * LANES,
+                "scales and lows: [N16 / 16, K / 32, 16]");
+  }
   const int64_t block_bytes = groups * code.size(2);
+  // a block's scales and lows: bytes from one block's to the next's
+  const int64_t scale_bytes = scale.nbytes() / blocks, low_bytes = low.nbytes() / blocks;
   auto shape = x.sizes().vec();
   TORCH_CHECK(shape.back() == K, "the input's width must be the layer's");
   auto rows = x.reshape({-1, K}).contiguous();
@@ -191,8 +259,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor code, torch::Tensor scale, t
   const float* XS = qx[1].data_ptr<float>();
   const float* XL = qx[2].data_ptr<float>();
   const uint8_t* C = code.data_ptr<uint8_t>();
-  const float* S = scale.data_ptr<float>();
-  const float* L = low.data_ptr<float>();
+  const uint8_t* S = static_cast<const uint8_t*>(scale.data_ptr());
+  const uint8_t* L = static_cast<const uint8_t*>(low.data_ptr());
   float* Y = y.data_ptr<float>();
   for (int64_t m0 = 0; m0 < M; m0 += ROWS_IN_CACHE) {
     const int64_t m1 = std::min(M, m0 + ROWS_IN_CACHE);
@@ -210,8 +278,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor code, torch::Tensor scale, t
             xl[r] = XL + (r0 + r) * groups;
             out[r] = Y + (r0 + r) * N16 + b * LANES;
           }
-          (vnni ? VNNI_BLOCK : AVX2_BLOCK)[nibbles][R - 1](C + b * block_bytes, S + b * groups * LANES,
-                                                           L + b * groups * LANES, groups, xq, xs, xl, out);
+          (vnni ? VNNI_BLOCK : AVX2_BLOCK)[form][R - 1](C + b * block_bytes, S + b * scale_bytes, L + b * low_bytes,
+                                                        groups, xq, xs, xl, out);
         }
       }
     });

@@ -65,11 +65,13 @@ def _q4_k(b: torch.Tensor) -> torch.Tensor:  # d f16 | dmin f16 | 12 bytes scale
     return (d * qs.reshape(n, 8, 32).float() - dm).reshape(n, QK_K)
 
 
-def four_bit_groups(raw: np.ndarray, qtype: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def four_bit_groups(raw: np.ndarray, qtype: int) -> tuple[torch.Tensor, ...] | None:
     """A Q4_K or Q4_1 tensor's bytes [N, bytes per row] as its own groups of 32 (for
     engine.exact.grouped_int8.GroupedInt4Linear): codes q [N, K] uint8 in 0..15, and scale, low [N, K / 32] float32
     with w = scale * q + low; None for other types. In float32, scale * q + low is bitwise what _q4_k (d * q - dm:
-    adding -dm is subtracting dm) and _q4_1 compute."""
+    adding -dm is subtracting dm) and _q4_1 compute. A Q4_K tensor's tuple goes on with the terms of its scales
+    (engine.exact.grouped_int8.GroupedQ4KLinear): d, dmin [N, K / 256] float16 and sc, m [N, K / 32] uint8, with
+    scale = d.float() * sc.float() and low = -(dmin.float() * m.float()) for group g of super-block g // 8."""
     qtype = int(qtype)
     if qtype not in (3, 12):
         return None
@@ -79,12 +81,13 @@ def four_bit_groups(raw: np.ndarray, qtype: int) -> tuple[torch.Tensor, torch.Te
     if qtype == 3:  # Q4_1: one group a block
         qs = (b[:, 4:].reshape(n, 1, 16) >> _shifts(0, 4).reshape(1, 2, 1)) & 0x0F  # [n, 2, 16]
         scale, low = _f16(b[:, :2]), _f16(b[:, 2:4])  # [n, 1]
-    else:  # Q4_K: eight
-        d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
-        sc, mn = _q4_k_scales(b[:, 4:16])
-        qs = (b[:, 16:].reshape(n, 4, 1, 32) >> _shifts(0, 4).reshape(1, 1, 2, 1)) & 0x0F  # [n, 4, 2, 32]
-        scale, low = d * sc.float(), -(dmin * mn.float())  # [n, 8]
-    return qs.reshape(rows, -1), scale.reshape(rows, -1), low.reshape(rows, -1)
+        return qs.reshape(rows, -1), scale.reshape(rows, -1), low.reshape(rows, -1)
+    # Q4_K: eight
+    d, dmin = (b[:, i: i + 2].contiguous().view(torch.float16) for i in (0, 2))  # [n, 1]
+    sc, mn = _q4_k_scales(b[:, 4:16])
+    qs = (b[:, 16:].reshape(n, 4, 1, 32) >> _shifts(0, 4).reshape(1, 1, 2, 1)) & 0x0F  # [n, 4, 2, 32]
+    scale, low = d.float() * sc.float(), -(dmin.float() * mn.float())  # [n, 8]
+    return tuple(t.reshape(rows, -1) for t in (qs, scale, low, d, dmin, sc, mn))
 
 
 def _q6_k(b: torch.Tensor) -> torch.Tensor:  # 128 bytes low 4 bits | 64 bytes high 2 bits | 16 int8 scales | d f16
