@@ -19,7 +19,7 @@ from engine.prompts import encode_prompt
 from engine.exact.optimize import MIN_ROWS, free_rows
 from engine.exact.precision import AUTO, resolve_precision
 from engine.backend import Capabilities
-from engine.exact import calibration
+from engine.exact import calibration, grouped_int8, int8_store
 from engine.exact.policy import Costs, PolicyConfig, SpecPolicy
 from engine.exact.proposers import Draft
 from engine.request import MIN_DRAFT_VOCAB, Request
@@ -76,8 +76,10 @@ class LocalBackend:
             log.warning("the target runs in float32: %s", why)
         backend = cls._load_pair(preset, dev, min_rows, on_progress, precision)
         backend.precision, backend.precision_note = precision, why
+        # the costs hold for these models in these forms on this kernel: a new form or kernel measures again
         backend.stored_as = backend.describe() | {"target": preset.target, "draft": preset.draft, "device": str(dev),
-                                                  "min_rows": min_rows}
+                                                  "min_rows": min_rows, "form": int8_store.FORMAT,
+                                                  "kernel": grouped_int8.build_key()}
         if calibrate:
             if on_progress:
                 on_progress("the policy's costs (measured once per machine and models, then stored)", 0, 1)
