@@ -172,7 +172,7 @@ def _time_split_figure(b: RunMetrics | None, s: RunMetrics | None) -> str:
         parts = [_get(m, k) for k in ("drafting_ms", "verifying_ms", "other_ms")]
         if m is not None and parts[0] is None:
             return "unknown"
-        return " | ".join(number(None if p is None else p / 1000, ".2f") for p in parts)
+        return " | ".join(number(p / 1000 if isinstance(p, (int, float)) else p, ".2f") for p in parts)
 
     return f'{split(s)}<div class="fig-note">baseline: {split(b)}</div>'
 
@@ -186,7 +186,7 @@ def near_tie_text(comparison: dict) -> str:
     tie = comparison["near_tie"]
     sides = [tie.get(e) for e in ("baseline", "speculative")] if isinstance(tie, dict) else []
     if len(sides) != 2 or not all(isinstance(t, dict) for t in sides):
-        return "why: unknown (the engines gave no runner-up probabilities there)"
+        return "why: unknown (the engines recorded no runner-up there)"
 
     def token(text, token_id) -> str:  # a hand-edited file may hold anything: only a str or an int is shown
         return repr(text) if isinstance(text, str) else f"token {token_id}" if isinstance(token_id, int) else "?"
@@ -214,7 +214,7 @@ def figures_html(baseline: RunResult | None, speculative: RunResult | None, comp
             if near_tie_text(comparison):
                 exact += f' <span class="why near-tie">{escape(near_tie_text(comparison))}</span>'
             if _get(s, "divergence_note"):  # why this backend's greedy outputs can differ (llama.cpp)
-                exact += f' <span class="why">{escape(s.divergence_note)}</span>'
+                exact += f' <span class="why">{escape(str(s.divergence_note))}</span>'
     rows = [
         ("tokens/s (baseline | speculative)",
          f'{number(_get(b, "tokens_per_s"), ".2f")} | {number(_get(s, "tokens_per_s"), ".2f")}'),
@@ -224,8 +224,10 @@ def figures_html(baseline: RunResult | None, speculative: RunResult | None, comp
          f'{number(_get(s, "acceptance_rate"), ".2f")} | {number(rolling_acceptance, ".2f")}'),
         ("mean accepted length", number(_get(s, "mean_accepted_length"), ".2f")),
         ("steps won by a token-tree alternative", number(_get(s, "tree_accepted"))),
-        ("TTFT ms (baseline | speculative)", f'{number(_get(b, "ttft_ms"), ".0f")} | {number(_get(s, "ttft_ms"), ".0f")}'),
-        ("TPOT ms (baseline | speculative)", f'{number(_get(b, "tpot_ms"), ".1f")} | {number(_get(s, "tpot_ms"), ".1f")}'),
+        ("TTFT ms (baseline | speculative)",
+         f'{number(_get(b, "ttft_ms"), ".0f")} | {number(_get(s, "ttft_ms"), ".0f")}'),
+        ("TPOT ms (baseline | speculative)",
+         f'{number(_get(b, "tpot_ms"), ".1f")} | {number(_get(s, "tpot_ms"), ".1f")}'),
         ("target passes saved", "unknown" if s is not None and s.passes_saved is None
                                 else f'{number(_get(s, "passes_saved"))} of {number(_get(s, "output_tokens"))}'),
         ("bound: ideal | this machine", "unknown" if _bound_unknown(speculative, comparison)
@@ -252,7 +254,7 @@ def figures_html(baseline: RunResult | None, speculative: RunResult | None, comp
              f'{server(b, "mean_itl_ms", ".1f")} | {server(s, "mean_itl_ms", ".1f")}'),
             ("vLLM tokens/s (baseline | speculative)",
              f'{server(b, "tokens_per_second", ".1f")} | {server(s, "tokens_per_second", ".1f")}'),
-            ("highlighting", escape(s.highlighting or "–")),
+            ("highlighting", escape(str(s.highlighting or "–"))),
             ("provisional kinds right", _provisional_figure(s)),
         ]
     rows.append(("mode", escape(mode)))
