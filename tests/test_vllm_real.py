@@ -26,7 +26,7 @@ from engine.vllm.config import speculative_config
 from engine.vllm.server import ServerConfig, VLLMError, VLLMServer
 from specconsole.history import History
 from specconsole.render import figures_html
-from specconsole.runner import Comparison
+from specconsole.runner import Comparison, run_meta
 from specconsole.suites import SuitePrompt
 from specconsole.variants import served
 from specconsole.workbench import concurrency_sweep
@@ -70,7 +70,7 @@ def sampled(prompt: str, seed: int, max_new_tokens: int = 32) -> Request:
 
 
 def compared(backend, req, history=None) -> Comparison:
-    comp = Comparison(backend, req, "fair", history, {"category": "json", **backend.describe()})
+    comp = Comparison(backend, req, "fair", history, {"category": "json", **run_meta(backend, req)})
     comp.start()
     deadline = time.monotonic() + 300
     while not comp.poll(0.1):
@@ -290,7 +290,7 @@ def test_speculative_server_dies_mid_run(vllm, tmp_path):
     speculative engine's error names its server, and what it streamed is saved."""
     history = History(tmp_path / "h.db")
     req = Request(prompt="Write a long story about a lighthouse keeper and the sea.", max_new_tokens=200)
-    comp = Comparison(vllm, req, "fair", history, {"category": "creative", **vllm.describe()})
+    comp = Comparison(vllm, req, "fair", history, {"category": "creative", **run_meta(vllm, req)})
     comp.start()
     # on 2 cores fair mode takes whole-run turns: the baseline's 200 tokens come first (about a minute on one core;
     # CI missed 120 s for 400 of them by 0.04 s)
@@ -322,7 +322,7 @@ def test_nway_fair_comparison_of_two_ngram_servers(smol_dir, tmp_path):
             "speculative-2": {"label": "vLLM ngram K=6", "method": "ngram"}}
         history = History(tmp_path / "h.db")
         req = Request(prompt=JSON_PROMPT, max_new_tokens=60)
-        comp = Comparison(backend, req, "fair", history, {"category": "json", **backend.describe()},
+        comp = Comparison(backend, req, "fair", history, {"category": "json", **run_meta(backend, req)},
                           extra=served(backend, req), label="vLLM ngram K=2")
         comp.start()
         deadline = time.monotonic() + 600
