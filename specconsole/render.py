@@ -211,8 +211,9 @@ def figures_html(baseline: RunResult | None, speculative: RunResult | None, comp
         elif comparison.get("first_divergence") is not None:
             exact = (f'<span class="exact diverged">✖ first divergence at token '
                      f'{number(comparison["first_divergence"])}</span>')
-            if near_tie_text(comparison):
-                exact += f' <span class="why near-tie">{escape(near_tie_text(comparison))}</span>'
+            why = near_tie_text(comparison)
+            if why:
+                exact += f' <span class="why near-tie">{escape(why)}</span>'
             if _get(s, "divergence_note"):  # why this backend's greedy outputs can differ (llama.cpp)
                 exact += f' <span class="why">{escape(str(s.divergence_note))}</span>'
     rows = [
