@@ -43,10 +43,12 @@ class TokenEvent:
     p: float | None = None  # target probability of this token, where known
     q: float | None = None  # draft probability of this token, where known (1.0 for n-gram drafts)
     provisional: bool = False  # kind, step and position are a guess from chunk boundaries (vLLM), not yet told
-    # greedy runs of our engine: the target's second-best token at this position and how far the chosen token's logit
-    # was above it (engine.exact.sampling.runners_up): where two engines' greedy outputs part, a small one is a near-tie
+    # greedy runs: the target's second-best token at this position and how far the chosen token's logit was above it
+    # (engine.exact.sampling.runners_up; vLLM's top-2 logprobs): where two engines' greedy outputs part, a small one is
+    # a near-tie. The runner-up is an id from our engine, a text from a server that names top tokens by text (vLLM)
     runner_up: int | None = None
     margin: float | None = None
+    runner_up_text: str | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -169,16 +169,16 @@ def compare(baseline: RunResult, speculative: RunResult, greedy: bool) -> dict:
 
 def near_tie(baseline: RunResult, speculative: RunResult, index: int) -> dict | None:
     """Why two greedy outputs part at output token `index`: each engine's pass there, as {"token", "text",
-    "runner_up", "runner_up_text", "margin"} (margin: the token's logit minus the runner-up's).
-    Both margins small is a near-tie that passes of another shape round apart. None where an engine did not record
-    its runner-up (a server, a sampled run, the bonus token after a token tree's alternative) or one output ended
-    there."""
+    "runner_up", "runner_up_text", "margin"} (margin: the token's logit minus the runner-up's; runner_up: its id,
+    None from a server that names it by text, vLLM). Both margins small is a near-tie that passes of another shape
+    round apart. None where an engine did not record its runner-up (llama.cpp, a vLLM server that sent no top 2, a
+    sampled run, the bonus token after a token tree's alternative) or one output ended there."""
     pair = [r.output_tokens[index] if index < len(r.output_tokens) else None for r in (baseline, speculative)]
     if any(t is None or t.margin is None for t in pair):
         return None
     texts = {t.token_id: t.text for t in pair}  # in a near-tie each engine's runner-up is the other's token
-    return {engine: {"token": t.token_id, "text": t.text, "runner_up": t.runner_up,
-                     "runner_up_text": texts.get(t.runner_up), "margin": t.margin}
+    return {engine: {"token": t.token_id, "text": t.text, "runner_up": t.runner_up, "margin": t.margin,
+                     "runner_up_text": t.runner_up_text if t.runner_up_text is not None else texts.get(t.runner_up)}
             for engine, t in zip(("baseline", "speculative"), pair)}
 
 

@@ -349,10 +349,11 @@ class History:
 def _token_row(t: TokenEvent) -> dict:
     row = t.to_dict()
     row["idx"] = row.pop("index")  # the output position; "index" reads badly in SQL
-    try:
-        row["text"].encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate (half an emoji from a server's stream) is not UTF-8: store U+FFFD
-        row["text"] = LONE_SURROGATE.sub("\ufffd", row["text"])
+    for key in ("text", "runner_up_text"):
+        try:
+            (row[key] or "").encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (half an emoji from a server's stream) is not UTF-8: U+FFFD
+            row[key] = LONE_SURROGATE.sub("\ufffd", row[key])
     return row
 
 
@@ -368,4 +369,4 @@ def _policy(row: dict) -> PolicyEvent:
 def _token(row: dict) -> TokenEvent:
     return TokenEvent(TokenKind(row["kind"]), row["token_id"], row["text"], row["step"], row["position"],
                       row["time_s"], row["idx"], row["p"], row["q"], bool(row.get("provisional")),  # NULL: older
-                      row.get("runner_up"), row.get("margin"))
+                      row.get("runner_up"), row.get("margin"), row.get("runner_up_text"))

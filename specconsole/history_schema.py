@@ -33,7 +33,8 @@ EVENT_TABLES = {  # the engines' events, one row each, keyed by run and engine
     "tokens": {"run_id": str, "engine": str, "seq": int, "kind": str, "token_id": int, "text": str, "step": int,
                "position": int, "time_s": float, "idx": int, "p": float, "q": float,
                "provisional": int,  # 1: the kind is a guess from a vLLM stream's chunks, not (yet) confirmed
-               "runner_up": int, "margin": float},  # greedy, our engine: the target's second choice and its margin
+               # greedy: the target's second choice (id from our engine, text from vLLM) and the chosen token's margin
+               "runner_up": int, "margin": float, "runner_up_text": str},
     "steps": {"run_id": str, "engine": str, "step": int, "drafted": int, "accepted": int, "emitted": int,
               "draft_ms": float, "verify_ms": float, "time_s": float, "drafter": str,
               "ignored": int},  # NULL: not known (a server), or saved before it was counted

@@ -179,14 +179,14 @@ def _time_split_figure(b: RunMetrics | None, s: RunMetrics | None) -> str:
 
 def near_tie_text(comparison: dict) -> str:
     """Plain text: at a greedy run's first divergence, each engine's pass there, its token, its runner-up and the
-    logit margin between them (engine.metrics.near_tie); "unknown" where the engines did not record it; ""
+    logit margin between them (engine.metrics.near_tie); "unknown" where an engine did not record it; ""
     for a run without a divergence, or saved before it was recorded. The replay shows it too."""
     if comparison.get("identical") is not False or "near_tie" not in comparison:
         return ""
     tie = comparison["near_tie"]
     sides = [tie.get(e) for e in ("baseline", "speculative")] if isinstance(tie, dict) else []
     if len(sides) != 2 or not all(isinstance(t, dict) for t in sides):
-        return "why: unknown (the engines recorded no runner-up there)"
+        return "why: unknown (an engine recorded no runner-up there)"
 
     def token(text, token_id) -> str:  # a hand-edited file may hold anything: only a str or an int is shown
         return repr(text) if isinstance(text, str) else f"token {token_id}" if isinstance(token_id, int) else "?"

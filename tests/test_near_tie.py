@@ -2,6 +2,8 @@
 every output token (engine.exact.sampling.runners_up), and the comparison, the figures, the CSVs and the workbench
 show them at the first divergence (engine.metrics.near_tie)."""
 
+from dataclasses import replace
+
 import pandas as pd
 import pytest
 
@@ -75,6 +77,29 @@ def test_a_planted_near_tie_is_shown_at_the_first_divergence():
     assert c["near_tie"] is None and c["divergence_margin"] is None
     assert "why: unknown" in figures_html(b, s, c, "fair", None)
     assert "near_tie" not in compare(b, b, greedy=True)  # identical: nothing to explain
+
+
+def test_a_runner_up_named_by_text_is_shown_saved_and_replayed(tmp_path):
+    """vLLM's top-2 logprobs name the runner-up by its text, not its id: the evidence, the page, the history and the
+    replay keep that text, escaped on the page; half an emoji (a lone surrogate) is saved as U+FFFD."""
+    b, s = planted_pair()
+    b.tokens[1] = replace(b.tokens[1], runner_up=None, runner_up_text="c")
+    s.tokens[1] = replace(s.tokens[1], runner_up=None, runner_up_text="<b>")
+    s.tokens[0] = replace(s.tokens[0], runner_up=None, runner_up_text="\ud83d")
+    c = compare(b, s, greedy=True)
+    assert c["near_tie"]["baseline"] == {"token": 2, "text": "<b>", "runner_up": None, "runner_up_text": "c",
+                                         "margin": 0.004}
+    assert c["near_tie"]["speculative"]["runner_up_text"] == "<b>" and c["divergence_margin"] == 0.004
+    html = figures_html(b, s, c, "fair", None)
+    assert "the speculative engine&#x27;s pass chose &#x27;c&#x27; over &#x27;&lt;b&gt;&#x27; by 0.001 (logits" in html
+    history = History(tmp_path / "h.db")
+    run_id = history.start_run(category="chat", prompt="p", suite_id="", sweep_variable="", sweep_value="",
+                               method="ngram", repeat=0)
+    history.finish_run(run_id, "completed", {"baseline": b, "speculative": s}, c)
+    saved = history.results(run_id)
+    assert [t.runner_up_text for t in saved["speculative"].tokens] == ["\ufffd", "<b>", None]
+    assert compare(saved["baseline"], saved["speculative"], greedy=True)["near_tie"] == c["near_tie"]
+    assert "chose 'c' over '<b>' by 0.001" in payload(history, run_id)["near_tie"]
 
 
 def test_the_csvs_and_the_workbench_count_divergences_with_their_margins(tmp_path):

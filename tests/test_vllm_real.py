@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,38 @@ def test_both_stream_greedy_identical_and_exactly_classified(vllm):
     assert kinds.count(TokenKind.BONUS) + kinds.count(TokenKind.RECOVERED) <= len(spec_steps)
     assert s.metrics.accepted > 5  # the JSON is copied from the prompt: n-gram drafts land
     assert s.metrics.server["time_to_first_token_ms"] > 0 and s.metrics.server["tokens_per_second"] > 0
+    assert_near_tie_evidence(b, s, streamed)
+
+
+def assert_near_tie_evidence(b: RunResult, s: RunResult, streamed: list[TokenEvent]) -> None:
+    """Greedy: every token of both servers carries its runner-up (named by text) and a margin >= 0, from the top-2
+    logprobs; a divergence planted in a copy of the speculative run is explained by the servers' real margins."""
+    for run in (b.output_tokens, s.output_tokens, streamed):
+        assert all(isinstance(t.runner_up_text, str) and t.runner_up is None for t in run)
+        assert all(isinstance(t.margin, float) and t.margin >= 0 for t in run)
+    assert [t.margin for t in streamed] == [t.margin for t in s.output_tokens]  # kept when the kinds were told
+    margins = sorted(t.margin for t in b.output_tokens)
+    assert margins[-1] > 1  # margins in logits, not all ties
+    log.info("the baseline server's margins over %d tokens: smallest %.3g, median %.3g", len(margins), margins[0],
+             margins[len(margins) // 2])
+    i = len(s.output_tokens) // 2
+    planted = replace(s, tokens=list(s.tokens), output_ids=list(s.output_ids))
+    planted.tokens[i] = replace(s.tokens[i], token_id=s.tokens[i].token_id + 1)
+    planted.output_ids[i] += 1
+    c = compare(b, planted, greedy=True)
+    assert c["first_divergence"] == i and c["divergence_margin"] == b.output_tokens[i].margin
+    assert c["near_tie"]["baseline"] == {"token": b.output_ids[i], "text": b.output_tokens[i].text, "runner_up": None,
+                                         "runner_up_text": b.output_tokens[i].runner_up_text,
+                                         "margin": b.output_tokens[i].margin}
+    assert c["near_tie"]["speculative"]["margin"] == s.output_tokens[i].margin
+    html = figures_html(b, planted, c, "fair", None)
+    assert "near-tie? the plain pass chose" in html and "why: unknown" not in html
+
+
+def test_a_greedy_completion_carries_the_near_tie_evidence_too(vllm):
+    """The plain completions endpoint gives its top 2 as a {text: logprob} dict per token."""
+    _, b = run(vllm, "baseline", Request(prompt=JSON_PROMPT, max_new_tokens=16, chat=False))
+    assert all(isinstance(t.runner_up_text, str) and t.margin >= 0 for t in b.output_tokens)
 
 
 PROVISIONAL_PROMPTS = {

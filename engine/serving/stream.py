@@ -1,6 +1,7 @@
 """One streamed request to a model server: the `data:` lines of its server-sent events, each parsed into a Chunk
-(token ids, text, per-token probability, usage) by the server's own parser, under a stall timeout, cancel and the
-stream's limits (engine.serving.http_safety). vLLM's parser is engine.vllm.client, llama.cpp's engine.llamacpp.client.
+(token ids, text, per-token probability and near-tie evidence, usage) by the server's own parser, under a stall
+timeout, cancel and the stream's limits (engine.serving.http_safety). vLLM's parser is engine.vllm.client, llama.cpp's
+engine.llamacpp.client.
 
 ServerError is what every server backend raises for a server that cannot be started, reached or trusted; the
 console and the workbench catch it whichever backend it comes from.
@@ -40,6 +41,10 @@ class StreamedToken:
     token_id: int
     text: str  # the token's own text where the server gives it (logprobs), else "" (or the chunk's text: see below)
     p: float | None  # the target's probability of the token, from its logprob
+    # a greedy run's near-tie evidence where the server sends its top 2 (engine.events.TokenEvent): the best other
+    # token's text and how far this token's logit was above it; None where not sent or not readable
+    runner_up_text: str | None = None
+    margin: float | None = None
 
 
 @dataclass

@@ -343,17 +343,14 @@ class VLLMBackend(ServerBackend):
     def _tokens(self, engine: str, streamed, result: RunResult, now: float,
                 guess: ChunkGuess | None) -> Iterator[TokenEvent]:
         """TokenEvents for a chunk's tokens: baseline ones are one pass each; speculative ones are provisional
-        (guessed from this chunk's size), or pending when K is not known."""
+        (guessed from this chunk's size), or pending when K is not known. Each with its near-tie evidence, where the
+        server sent its top 2 (greedy)."""
         guessed = guess.kinds([t.token_id for t in streamed]) if guess else [None] * len(streamed)
         for token, kind in zip(streamed, guessed):
             index = len(result.tokens)
-            if engine == "baseline":
-                event = TokenEvent(TokenKind.BASELINE, token.token_id, token.text, index, 0, now, index, token.p)
-            elif kind is None:
-                event = TokenEvent(TokenKind.PENDING, token.token_id, token.text, 0, 0, now, index, token.p)
-            else:
-                event = TokenEvent(kind[0], token.token_id, token.text, kind[1], kind[2], now, index, token.p,
-                                   provisional=True)
+            placed = (TokenKind.BASELINE, index, 0) if engine == "baseline" else kind or (TokenKind.PENDING, 0, 0)
+            event = TokenEvent(placed[0], token.token_id, token.text, placed[1], placed[2], now, index, token.p,
+                               provisional=kind is not None, margin=token.margin, runner_up_text=token.runner_up_text)
             result.tokens.append(event)
             yield event
 
