@@ -106,14 +106,14 @@ def bench_prompt(backends: dict, reqs: dict, order: list[str], spec_engines: lis
         row["wheel"] = {"vs_plain": runs[WHEEL_PLAIN].metrics.tokens_per_s / row["plain_tps"]}
     for engine in spec_engines:
         c = compare(plain, runs[engine], greedy=True)
-        row[engine] = {"tps": runs[engine].metrics.tokens_per_s, "speedup": c["speedup"],
-                       "identical": c["identical"], "first_divergence": c["first_divergence"],
+        row[engine] = {"tps": runs[engine].metrics.tokens_per_s, "speedup": c.speedup,
+                       "identical": c.identical, "first_divergence": c.first_divergence,
                        "acceptance": runs[engine].metrics.acceptance_rate}
     if "ours_baseline" in runs:
         ob, os_ = runs["ours_baseline"], runs["ours_speculative"]
         c = compare(ob, os_, greedy=True)
         row["ours"] = {"base_tps": ob.metrics.tokens_per_s, "spec_tps": os_.metrics.tokens_per_s,
-                       "speedup": c["speedup"], "identical": c["identical"],
+                       "speedup": c.speedup, "identical": c.identical,
                        "spec_vs_plain": os_.metrics.tokens_per_s / row["plain_tps"],
                        "base_vs_plain": ob.metrics.tokens_per_s / row["plain_tps"]}
     return row

@@ -118,7 +118,7 @@ def engine_order(repeat: int, with_hf: bool, variants=()) -> list[str]:
 def variant_row(b: RunResult, s: RunResult, hf_speedup: float) -> dict:
     """A speculative configuration's figures against the baseline (and HF assisted) of the same repeat."""
     c = compare(b, s, greedy=True)
-    return {"speedup": c["speedup"], "ours_vs_hf": c["speedup"] / hf_speedup, "identical": c["identical"],
+    return {"speedup": c.speedup, "ours_vs_hf": c.speedup / hf_speedup, "identical": c.identical,
             "acceptance": s.metrics.acceptance_rate or 0.0,
             "draft_ms_per_token": s.metrics.draft_ms_per_token or NAN}
 
@@ -138,12 +138,12 @@ def bench_prompt(backend, req: Request, counter: PassCounter, order: list[str], 
     row = {
         "baseline_tps": b.metrics.tokens_per_s,
         "spec_tps": s.metrics.tokens_per_s,
-        "speedup": c["speedup"],
+        "speedup": c.speedup,
         "acceptance": s.metrics.acceptance_rate or 0.0,
         "mean_accepted_length": s.metrics.mean_accepted_length or 1.0,
-        "bound": c.get("machine_bound", NAN),
-        "efficiency": c.get("efficiency", NAN),
-        "identical": c["identical"],
+        "bound": NAN if c.machine_bound is None else c.machine_bound,
+        "efficiency": NAN if c.efficiency is None else c.efficiency,
+        "identical": c.identical,
         "our_target_passes": s.metrics.target_passes,
         "tokens": len(b.output_ids),
         "hf_speedup": NAN, "ours_vs_hf": NAN, "hf_identical": None, "hf_target_passes": None,  # no draft: n/a
@@ -151,7 +151,7 @@ def bench_prompt(backend, req: Request, counter: PassCounter, order: list[str], 
     if "hf_assisted" in runs:
         (hf_ids, hf_s, _), (hfa_ids, hfa_s, hfa_passes) = runs["hf"], runs["hf_assisted"]
         hf_speedup = (len(hfa_ids) / hfa_s) / (len(hf_ids) / hf_s)
-        row |= {"hf_speedup": hf_speedup, "ours_vs_hf": c["speedup"] / hf_speedup,
+        row |= {"hf_speedup": hf_speedup, "ours_vs_hf": c.speedup / hf_speedup,
                 "hf_identical": first_divergence(b.output_ids, hfa_ids) is None, "hf_target_passes": hfa_passes}
     row["variants"] = {"main": variant_row(b, s, row["hf_speedup"])}
     row["variants"] |= {e[8:]: variant_row(b, r, row["hf_speedup"]) for e, r in runs.items() if e.startswith("variant:")}

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol, runtime_checkable
 
 from engine.events import Event
+from engine.limits import MAX_K, check_range
 from engine.request import Request
 
 Clock = Callable[[], float]
@@ -37,6 +38,9 @@ def extra_engine(i: int) -> str:
 
 # Settings of a Request that only the drafting side reads; a backend without per-request drafting ignores them.
 DRAFTING_SETTINGS = ("method", "k", "dynamic_k", "fallback", "draft_confidence", "draft_vocab")
+# The drafts per step (K) any backend may be asked for: engine.limits' range, what the page offers before a backend is
+# loaded; each backend's Capabilities.k_range lies within it.
+K_RANGE = (1, MAX_K)
 
 
 def cores_left_over(engine_cores: int) -> bool:
@@ -63,6 +67,15 @@ class Capabilities:
     # the request's method applies: per_request_drafting), and those a method sweep runs unless told otherwise
     methods: tuple[str, ...] = ()
     sweep_methods: tuple[str, ...] = ()
+    # the drafts per step (K) the backend drafts, lowest and highest: the request's K where per_request_drafting,
+    # else the K reconfigure() restarts the speculative side with; the page's K sliders and the K sweep offer these
+    k_range: tuple[int, int] = K_RANGE
+
+    def check_k(self, k: int | None) -> None:
+        """SettingsError unless the backend drafts `k` tokens per step (None: a server's own default K)."""
+        if k is not None:
+            low, high = self.k_range
+            check_range("K", k, low, high, f"this backend drafts {low} to {high} tokens per step")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from statistics import mean
 
+from engine.comparison import ComparisonFigures
 from engine.events import PolicyAction, RunResult, TokenKind
 from engine.run_metrics import RunMetrics
 
@@ -133,13 +134,11 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def compare(baseline: RunResult, speculative: RunResult, greedy: bool) -> dict:
+def compare(baseline: RunResult, speculative: RunResult, greedy: bool) -> ComparisonFigures:
     """Speedup, the theoretical bounds with the costs measured in these two runs, efficiency and exactness."""
     b, s = baseline.metrics, speculative.metrics
-    c = {
-        "speedup": _ratio(s.tokens_per_s, b.tokens_per_s),
-        "decode_speedup": _ratio(s.decode_tokens_per_s, b.decode_tokens_per_s),
-    }
+    figures = {"speedup": _ratio(s.tokens_per_s, b.tokens_per_s),
+               "decode_speedup": _ratio(s.decode_tokens_per_s, b.decode_tokens_per_s)}
     step_ms = b.plain_step_ms  # one target decoding step, measured by the baseline
     steps = [st for st in speculative.steps if st.drafted > 0 and st.step > 0]  # decoding steps (not the prefill)
     if step_ms and steps and s.draft_ms_per_token:
@@ -147,24 +146,23 @@ def compare(baseline: RunResult, speculative: RunResult, greedy: bool) -> dict:
         alpha = acceptance_alpha(steps)
         cost_c = s.draft_ms_per_token / step_ms
         tokens = sum(expected_tokens_per_pass(alpha, st.drafted) for st in steps)
-        c.update(
-            alpha=alpha,
-            draft_cost_ratio=cost_c,
-            verify_cost_ratio=s.verify_ms_mean / step_ms,
-            expected_tokens_per_pass=tokens / len(steps),
-            theoretical_bound=tokens / sum(cost_c * st.drafted + 1 for st in steps),
-            machine_bound=tokens / sum(cost_c * st.drafted + st.verify_ms / step_ms for st in steps),
-        )
-        if c["decode_speedup"]:
-            c["efficiency"] = c["decode_speedup"] / c["machine_bound"]
+        machine_bound = tokens / sum(cost_c * st.drafted + st.verify_ms / step_ms for st in steps)
+        figures |= {
+            "alpha": alpha,
+            "draft_cost_ratio": cost_c,
+            "verify_cost_ratio": s.verify_ms_mean / step_ms,
+            "expected_tokens_per_pass": tokens / len(steps),
+            "theoretical_bound": tokens / sum(cost_c * st.drafted + 1 for st in steps),
+            "machine_bound": machine_bound,
+            "efficiency": figures["decode_speedup"] / machine_bound if figures["decode_speedup"] else None,
+        }
     if greedy:
         div = first_divergence(baseline.output_ids, speculative.output_ids)
-        c["identical"] = div is None
-        c["first_divergence"] = div
+        figures |= {"identical": div is None, "first_divergence": div}
         if div is not None:
-            c["near_tie"] = near_tie(baseline, speculative, div)
-            c["divergence_margin"] = c["near_tie"]["baseline"]["margin"] if c["near_tie"] else None
-    return c
+            tie = near_tie(baseline, speculative, div)
+            figures |= {"near_tie": tie, "divergence_margin": tie["baseline"]["margin"] if tie else None}
+    return ComparisonFigures(**figures)
 
 
 def near_tie(baseline: RunResult, speculative: RunResult, index: int) -> dict | None:

@@ -10,6 +10,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Callable
 
+from engine.comparison import ComparisonFigures
 from engine.run_metrics import RunMetrics
 
 
@@ -52,7 +53,7 @@ ENGINE_FIGURES = ("tokens_per_s", "acceptance_rate", "mean_accepted_length", "ou
                   "target_passes", "drafted", "accepted", "provisional_accuracy", "ignored_drafts",
                   "acceptance_histogram", "steps_accepting_nothing", "drafting_ms", "verifying_ms", "other_ms")
 
-# The figures of an engine's comparison with the baseline (engine.metrics.compare), in both CSVs
+# The figures of an engine's comparison with the baseline (engine.comparison.ComparisonFigures), in both CSVs
 COMPARISON_FIGURES = ("speedup", "identical", "first_divergence", "divergence_margin")
 # ... and more of them, in the runs CSV only
 COMPARISON_DETAIL = ("decode_speedup", "alpha", "theoretical_bound", "machine_bound", "efficiency")
@@ -70,3 +71,8 @@ ENGINE_CSV = ("run_id", "engine", "label", "method", *COMPARISON_FIGURES, *ENGIN
 
 def engine_figures(metrics: RunMetrics) -> dict:
     return {key: getattr(metrics, key) for key in ENGINE_FIGURES}
+
+
+def comparison_figures(comparison: ComparisonFigures, keys: tuple[str, ...]) -> dict:
+    """`keys` of COMPARISON_FIGURES or COMPARISON_DETAIL, by name."""
+    return {key: getattr(comparison, key) for key in keys}

@@ -28,8 +28,10 @@ import tempfile
 import threading
 from pathlib import Path
 
+from engine.comparison import ComparisonFigures
 from engine.run_metrics import RunMetrics
-from specconsole.columns import COMPARISON_DETAIL, COMPARISON_FIGURES, ENGINE_CSV, RUN_CSV, engine_figures
+from specconsole.columns import (COMPARISON_DETAIL, COMPARISON_FIGURES, ENGINE_CSV, RUN_CSV, comparison_figures,
+                                 engine_figures)
 from specconsole.history import History
 from specconsole.history_schema import EVENT_TABLES
 
@@ -61,11 +63,11 @@ def _engine_rows(conn: sqlite3.Connection, run: dict) -> list[dict]:
     names = [d[0] for d in cursor.description]
     rows = []
     for e in (dict(zip(names, row)) for row in cursor):
-        c = json.loads(e["comparison"] or "{}")
+        c = ComparisonFigures.from_dict(json.loads(e["comparison"] or "{}"))
         m = RunMetrics.from_dict(json.loads(e["metrics"] or "{}"))
-        identical = c.get("identical")
+        identical = c.identical
         rows.append({"run_id": run["id"], "engine": e["engine"], "label": e["label"] or e["engine"],
-                     "method": e["method"], **{k: c.get(k) for k in COMPARISON_FIGURES},
+                     "method": e["method"], **comparison_figures(c, COMPARISON_FIGURES),
                      "identical": None if identical is None else int(identical),
                      **engine_figures(m), "server_counters_mismatch": _counters_mismatch(m),
                      "error": e["error"], "output": e["output"],
@@ -85,9 +87,8 @@ def _summary_row(run: dict, engines: list[dict]) -> dict:
     row = {c: run.get(c) for c in RUN_CSV}
     for key, value in json.loads(run.get("settings") or "{}").items():
         row[f"setting_{key}"] = value
-    comparison = json.loads(run.get("comparison") or "{}")
-    for key in COMPARISON_DETAIL:
-        row[key] = comparison.get(key)
+    row |= comparison_figures(ComparisonFigures.from_dict(json.loads(run.get("comparison") or "{}")),
+                              COMPARISON_DETAIL)
     notes = [e["divergence_note"] for e in engines if e["divergence_note"]]
     if notes:  # the backend's reason a greedy output can part (llama.cpp)
         row["divergence_note"] = notes[0]

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import sqlite_utils
 
+from engine.comparison import ComparisonFigures
 from engine.events import PolicyAction, PolicyEvent, RunResult, StepRecord, TokenEvent, TokenKind
 from engine.metrics import run_metrics
 from engine.run_metrics import RunMetrics
@@ -185,32 +186,37 @@ class History:
         self._write(write, saved.run_id)
         saved.saved(new, [])
 
-    def finish_run(self, run_id: str, status: str, results: dict[str, RunResult], comparison: dict,
+    def finish_run(self, run_id: str, status: str, results: dict[str, RunResult], comparison: ComparisonFigures,
                    error: str | None = None, saved: EventLog | None = None,
-                   comparisons: dict[str, dict] | None = None) -> None:
+                   comparisons: dict[str, ComparisonFigures] | None = None,
+                   checks: dict[str, dict] | None = None) -> None:
         """Store the summary and the events not saved yet (`saved`: what the run saved while it ran), in one
         transaction. `comparisons`: each speculative engine against the baseline (for the engines table; the
-        main one's is `comparison`)."""
+        main one's is `comparison`). `checks`: per speculative engine, the machine's load and the sampling check
+        (specconsole.runner.Comparison.checks), saved beside its figures in the comparison column."""
         saved = saved or EventLog(run_id)
+        checks = checks or {}
+        comparisons = {"speculative": comparison} | (comparisons or {})
+        stored = {e: c.to_dict() | checks.get(e, {}) for e, c in comparisons.items()}  # each engine's saved form
+        check = checks.get("speculative", {})
         b, s = results.get("baseline"), results.get("speculative")
         update = {
             "finished_at": now(), "status": status, "error": error,
-            "comparison": json.dumps(comparison), "speedup": comparison.get("speedup"),
+            "comparison": json.dumps(stored["speculative"]), "speedup": comparison.speedup,
             "acceptance_rate": s.metrics.acceptance_rate if s else None,
             "mean_accepted_length": s.metrics.mean_accepted_length if s else None,
             "baseline_tps": b.metrics.tokens_per_s if b else None,
             "speculative_tps": s.metrics.tokens_per_s if s else None,
-            "identical": None if "identical" not in comparison else int(comparison["identical"]),
-            "first_divergence": comparison.get("first_divergence"),
-            "noisy": None if comparison.get("noisy") is None else int(comparison["noisy"]),
-            "sampling_check": comparison.get("sampling_check"),
-            "nll_baseline": comparison.get("nll_baseline"), "nll_speculative": comparison.get("nll_speculative"),
+            "identical": None if comparison.identical is None else int(comparison.identical),
+            "first_divergence": comparison.first_divergence,
+            "noisy": None if check.get("noisy") is None else int(check["noisy"]),
+            "sampling_check": check.get("sampling_check"),
+            "nll_baseline": check.get("nll_baseline"), "nll_speculative": check.get("nll_speculative"),
         }
         new, changed = saved.pending(results, changes=True)
-        comparisons = {"speculative": comparison} | (comparisons or {})
         engine_rows = [[run_id, e, e, r.method, "{}"] for e, r in results.items()]
-        engine_updates = [[r.output_text, json.dumps(r.metrics.to_dict()), json.dumps(comparisons.get(e))
-                           if e in comparisons else None, r.error, run_id, e] for e, r in results.items()]
+        engine_updates = [[r.output_text, json.dumps(r.metrics.to_dict()), json.dumps(stored[e])
+                           if e in stored else None, r.error, run_id, e] for e, r in results.items()]
 
         def write():
             with self.db.atomic():

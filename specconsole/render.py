@@ -6,6 +6,7 @@ import json
 import re
 from html import escape
 
+from engine.comparison import ComparisonFigures
 from engine.events import RunResult, TokenEvent, TokenKind
 from engine.run_metrics import RunMetrics
 from specconsole.markup import number
@@ -103,24 +104,24 @@ def legend_html() -> str:
 HEADLINE = ("speedup", "acceptance (all | last 8 steps)", "tokens/s (baseline | speculative)")
 
 
-def _bound_unknown(speculative: RunResult | None, comparison: dict) -> bool:
+def _bound_unknown(speculative: RunResult | None, comparison: ComparisonFigures) -> bool:
     """A finished run without the bound: its inputs (draft and verify costs, steps with drafts) were not measured."""
-    return bool(speculative and speculative.finish_reason) and comparison.get("theoretical_bound") is None
+    return bool(speculative and speculative.finish_reason) and comparison.theoretical_bound is None
 
 
-def _sampling_check_rows(comparison: dict) -> list[tuple[str, str]]:
+def _sampling_check_rows(check: dict) -> list[tuple[str, str]]:
     """The sampling check of a sampled run (engine.analysis.check) and the likelihoods it rests on."""
-    if not comparison.get("sampling_check") and not comparison.get("sampling_check_reason"):
+    if not check.get("sampling_check") and not check.get("sampling_check_reason"):
         return []  # greedy (checked token for token), or not finished yet
-    status = comparison["sampling_check"]
+    status = check["sampling_check"]
     label = {"ok": '<span class="exact ok">✔ ok</span>', "suspect": '<span class="exact diverged">✖ suspect</span>'}
-    note = f'<div class="fig-note">{escape(comparison.get("sampling_check_reason") or "")}</div>'
+    note = f'<div class="fig-note">{escape(check.get("sampling_check_reason") or "")}</div>'
     rows = [("sampling check", label.get(status, "not checked") + note)]
-    if comparison.get("nll_baseline") is not None:
+    if check.get("nll_baseline") is not None:
         rows.append(("NLL nats/token (baseline | speculative)",
-                     f'{number(comparison["nll_baseline"], ".2f")} | {number(comparison.get("nll_speculative"), ".2f")}'
-                     f'<div class="fig-note">perplexity {number(comparison.get("perplexity_baseline"), ".1f")} | '
-                     f'{number(comparison.get("perplexity_speculative"), ".1f")}</div>'))
+                     f'{number(check["nll_baseline"], ".2f")} | {number(check.get("nll_speculative"), ".2f")}'
+                     f'<div class="fig-note">perplexity {number(check.get("perplexity_baseline"), ".1f")} | '
+                     f'{number(check.get("perplexity_speculative"), ".1f")}</div>'))
     return rows
 
 
@@ -200,18 +201,21 @@ def near_tie_text(comparison: dict) -> str:
     return f"near-tie? {'; '.join(parts)} (logits; the probability margin is at most the logit margin)"
 
 
-def figures_html(baseline: RunResult | None, speculative: RunResult | None, comparison: dict, mode: str,
-                 rolling_acceptance: float | None) -> str:
+def figures_html(baseline: RunResult | None, speculative: RunResult | None, comparison: ComparisonFigures,
+                 mode: str, rolling_acceptance: float | None, checks: dict | None = None) -> str:
+    """The figures of a pair; `checks`: the machine's load and the sampling check, once the run ended
+    (specconsole.runner.Comparison.checks; a saved run's comparison column holds them beside the figures)."""
     b = baseline.metrics if baseline else None
     s = speculative.metrics if speculative else None
+    checks = checks or {}
     exact = ""
-    if "identical" in comparison:
-        if comparison["identical"]:
+    if comparison.identical is not None:
+        if comparison.identical:
             exact = '<span class="exact ok">✔ identical to the baseline</span>'
-        elif comparison.get("first_divergence") is not None:
+        elif comparison.first_divergence is not None:
             exact = (f'<span class="exact diverged">✖ first divergence at token '
-                     f'{number(comparison["first_divergence"])}</span>')
-            why = near_tie_text(comparison)
+                     f'{number(comparison.first_divergence)}</span>')
+            why = near_tie_text(comparison.to_dict())
             if why:
                 exact += f' <span class="why near-tie">{escape(why)}</span>'
             if _get(s, "divergence_note"):  # why this backend's greedy outputs can differ (llama.cpp)
@@ -219,8 +223,8 @@ def figures_html(baseline: RunResult | None, speculative: RunResult | None, comp
     rows = [
         ("tokens/s (baseline | speculative)",
          f'{number(_get(b, "tokens_per_s"), ".2f")} | {number(_get(s, "tokens_per_s"), ".2f")}'),
-        ("speedup", number(comparison.get("speedup"), ".2f", "×")),
-        *_sampling_check_rows(comparison),
+        ("speedup", number(comparison.speedup, ".2f", "×")),
+        *_sampling_check_rows(checks),
         ("acceptance (all | last 8 steps)",
          f'{number(_get(s, "acceptance_rate"), ".2f")} | {number(rolling_acceptance, ".2f")}'),
         ("mean accepted length", number(_get(s, "mean_accepted_length"), ".2f")),
@@ -232,9 +236,9 @@ def figures_html(baseline: RunResult | None, speculative: RunResult | None, comp
         ("target passes saved", "unknown" if s is not None and s.passes_saved is None
                                 else f'{number(_get(s, "passes_saved"))} of {number(_get(s, "output_tokens"))}'),
         ("bound: ideal | this machine", "unknown" if _bound_unknown(speculative, comparison)
-                                        else f'{number(comparison.get("theoretical_bound"), ".2f", "×")} | '
-                                             f'{number(comparison.get("machine_bound"), ".2f", "×")}'),
-        ("efficiency (speedup / machine bound)", number(comparison.get("efficiency"), ".2f")),
+                                        else f'{number(comparison.theoretical_bound, ".2f", "×")} | '
+                                             f'{number(comparison.machine_bound, ".2f", "×")}'),
+        ("efficiency (speedup / machine bound)", number(comparison.efficiency, ".2f")),
         ("fallbacks", number(_get(s, "fallback_count"))),
         ("drafts accepted per step", _histogram_figure(s)),
         ("ignored drafts (cut off by a stop)", _known(s, "ignored_drafts")),
@@ -259,40 +263,38 @@ def figures_html(baseline: RunResult | None, speculative: RunResult | None, comp
             ("provisional kinds right", _provisional_figure(s)),
         ]
     rows.append(("mode", escape(mode)))
-    if "noisy" in comparison:  # known once the run ended
-        detail = (escape(str(comparison.get("noise"))) if comparison["noisy"]
-                  else f"others used {number(comparison.get('other_cores'), '.2f')} cores, the console's page "
-                       f"{number(comparison.get('page_cores'), '.2f')}")
-        if comparison.get("others_in_passes"):  # fair mode: where the disturbance fell
+    if "noisy" in checks:  # known once the run ended
+        detail = (escape(str(checks.get("noise"))) if checks["noisy"]
+                  else f"others used {number(checks.get('other_cores'), '.2f')} cores, the console's page "
+                       f"{number(checks.get('page_cores'), '.2f')}")
+        if checks.get("others_in_passes"):  # fair mode: where the disturbance fell
             detail += "; others during each engine's passes: " + ", ".join(
-                f"{escape(e)} {number(v, '.2f')}" for e, v in comparison["others_in_passes"].items())
-        if comparison.get("waited_s"):  # fair mode: the page's cost, outside the timed passes
-            detail += (f"; between passes the engines waited {number(comparison['waited_s'], '.2f')} s for the page "
+                f"{escape(e)} {number(v, '.2f')}" for e, v in checks["others_in_passes"].items())
+        if checks.get("waited_s"):  # fair mode: the page's cost, outside the timed passes
+            detail += (f"; between passes the engines waited {number(checks['waited_s'], '.2f')} s for the page "
                        "(not in their timings)")
-        rows.append(("machine during the run", f'{"noisy" if comparison["noisy"] else "quiet"}'
+        rows.append(("machine during the run", f'{"noisy" if checks["noisy"] else "quiet"}'
                                                f'<div class="fig-note">{detail}</div>'))
     cells = "".join(f'<div class="fig{" headline" if k in HEADLINE else ""}"><div class="fig-label">{escape(k)}</div>'
                     f'<div class="fig-value">{v}</div></div>' for k, v in rows)
     return f'<div class="figures">{cells}</div><div class="exactness">{exact}</div>'
 
 
-def engines_html(results: dict[str, RunResult], labels: dict[str, str], comparisons: dict[str, dict],
+def engines_html(results: dict[str, RunResult], labels: dict[str, str], comparisons: dict[str, ComparisonFigures],
                  mode: str) -> str:
     """An N-way run's figures, one row per engine (the baseline first): tokens/s, speedup, acceptance, mean accepted
     length, TTFT and whether its greedy output is identical to the baseline's."""
     rows = []
     for engine, r in results.items():
-        m, c = r.metrics, comparisons.get(engine, {})
-        if "identical" not in c:
-            same = "–"
-        elif c["identical"]:
+        m, c = r.metrics, comparisons.get(engine, ComparisonFigures())
+        if c.identical:
             same = '<span class="exact ok">✔ identical</span>'
-        elif c.get("first_divergence") is not None:
-            same = f'<span class="exact diverged">✖ diverges at token {number(c["first_divergence"])}</span>'
+        elif c.identical is not None and c.first_divergence is not None:
+            same = f'<span class="exact diverged">✖ diverges at token {number(c.first_divergence)}</span>'
         else:
             same = "–"
         cells = [escape(engine), escape(labels.get(engine, engine)), number(m.tokens_per_s, ".2f"),
-                 "–" if engine == "baseline" else number(c.get("speedup"), ".2f", "×"),
+                 "–" if engine == "baseline" else number(c.speedup, ".2f", "×"),
                  number(m.acceptance_rate, ".2f"), number(m.mean_accepted_length, ".2f"),
                  number(m.ttft_ms, ".0f"), same]
         rows.append(f'<tr data-engine="{escape(engine, quote=True)}">' + "".join(f"<td>{c}</td>" for c in cells)

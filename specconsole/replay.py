@@ -22,6 +22,7 @@ import math
 from html import escape
 from pathlib import Path
 
+from engine.comparison import ComparisonFigures
 from engine.events import RunResult
 from specconsole.history import History
 from specconsole.render import BIDI_CONTROLS, _title, legend_html, near_tie_text
@@ -75,6 +76,7 @@ def payload(history: History, run_id: str) -> dict:
         raise UnknownRun(f"no run {run_id!r} in the history {history.path}")
     results = history.results(run_id)  # every engine, the baseline first
     comparison = json.loads(row.get("comparison") or "{}")
+    figures = ComparisonFigures.from_dict(comparison)
     saved = history.engines(run_id)  # labels and per-engine comparisons of an N-way run (none for older runs)
     baseline = results.get("baseline")
     base_tps = baseline.metrics.tokens_per_s if baseline else None
@@ -84,9 +86,10 @@ def payload(history: History, run_id: str) -> dict:
         final = {"tokens_per_s": tps, "acceptance_rate": r.metrics.acceptance_rate,
                  "mean_accepted_length": r.metrics.mean_accepted_length,
                  "speedup": None if name == "baseline" else (tps / base_tps if tps and base_tps else None)}
-        shown = comparison if name == "speculative" else (saved.get(name, {}).get("comparison") or {})
-        if name != "baseline" and shown.get("speedup") is not None:
-            final["speedup"] = shown["speedup"]  # the figure the console showed for this run
+        shown = figures if name == "speculative" else ComparisonFigures.from_dict(
+            saved.get(name, {}).get("comparison"))
+        if name != "baseline" and shown.speedup is not None:
+            final["speedup"] = shown.speedup  # the figure the console showed for this run
         final = {k: v if v is None or math.isfinite(v) else None for k, v in final.items()}  # JSON has no NaN
         engines.append(_engine(r, final) | {"label": saved.get(name, {}).get("label") or name})
     run = {k: row.get(k) for k in ("id", "created_at", "status", "error", "category", "prompt", "backend",
@@ -97,8 +100,8 @@ def payload(history: History, run_id: str) -> dict:
         "token_fields": list(TOKEN_FIELDS),
         "engines": engines,
         "duration": max([e["end"] for e in engines], default=0.0),
-        "identical": comparison.get("identical"),
-        "first_divergence": comparison.get("first_divergence"),
+        "identical": figures.identical,
+        "first_divergence": figures.first_divergence,
         "near_tie": near_tie_text(comparison),  # why it parted, as the console said it
     }
 

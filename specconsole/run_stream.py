@@ -117,7 +117,7 @@ def stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
             if figures_due:
                 s = results["speculative"]
                 figures = figures_html(results["baseline"], s, comp.comparison(results), mode,
-                                       rolling_acceptance(s))
+                                       rolling_acceptance(s), comp.checks().get("speculative"))
                 if len(comp.engines) > len(ENGINES):  # an N-way run: every engine's figures, in one table
                     figures += engines_html(results, comp.labels, comp.comparisons(results), mode)
                 figures += _save_note(comp)

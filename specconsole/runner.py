@@ -34,6 +34,7 @@ from dataclasses import asdict, replace
 
 from engine.backend import ENGINES, MAX_EXTRA, extra_engine
 from engine.clock import EngineClock
+from engine.comparison import ComparisonFigures
 from engine.analysis.check import sampling_check
 from engine.events import Event, PolicyEvent, Reclassified, RunResult, StepRecord, TokenEvent
 from engine.metrics import compare, run_metrics
@@ -308,19 +309,22 @@ class Comparison:
     def results(self) -> dict[str, RunResult]:
         return {e: self.live[e].snapshot() for e in self.engines}
 
-    def comparison(self, results: dict[str, RunResult] | None = None) -> dict:
+    def comparison(self, results: dict[str, RunResult] | None = None) -> ComparisonFigures:
         """The main speculative engine against the baseline (the two-engine figures)."""
         r = results or self.results
-        return compare(r["baseline"], r["speculative"], self.request.sampling.greedy) | self.machine | self.check
+        return compare(r["baseline"], r["speculative"], self.request.sampling.greedy)
 
-    def comparisons(self, results: dict[str, RunResult] | None = None) -> dict[str, dict]:
+    def comparisons(self, results: dict[str, RunResult] | None = None) -> dict[str, ComparisonFigures]:
         """Every speculative engine against the baseline: speedup, identical / first divergence, bounds, ..."""
         r = results or self.results
-        out = {"speculative": self.comparison(r)}
-        for e in self.engines[2:]:
-            out[e] = (compare(r["baseline"], r[e], self.request.sampling.greedy) | self.machine
-                      | self.extra_checks.get(e, {}))
-        return out
+        return {e: compare(r["baseline"], r[e], self.request.sampling.greedy) for e in self.engines[1:]}
+
+    def checks(self) -> dict[str, dict]:
+        """What the console checked beside each speculative engine's figures once the run ended: the machine's load
+        during the run (specconsole.machine) and the sampling check (engine.analysis.check). Plain dicts under
+        those modules' keys, a concern of their own: the history saves them beside the figures."""
+        return {e: self.machine | (self.check if e == "speculative" else self.extra_checks.get(e, {}))
+                for e in self.engines[1:]}
 
     @property
     def status(self) -> str:
@@ -357,8 +361,9 @@ class Comparison:
         if self.history is None or self.saved_events is None:
             return
         try:
-            self.history.finish_run(self.run_id, self.status, results, self.comparison(results), self.error,
-                                    saved=self.saved_events, comparisons=self.comparisons(results))
+            comparisons = self.comparisons(results)
+            self.history.finish_run(self.run_id, self.status, results, comparisons["speculative"], self.error,
+                                    saved=self.saved_events, comparisons=comparisons, checks=self.checks())
             self.save_error = None  # a failed save during the run was made good: everything is in
         except Exception as e:  # noqa: BLE001 - never lose the on-screen result because the disk failed
             self._save_failed(e)

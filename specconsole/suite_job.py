@@ -59,7 +59,8 @@ class SuiteJob:
         if not self.items:
             raise ValueError("choose at least one suite or upload a JSONL / CSV file")
         caps = self.backend.capabilities
-        check_plan(self.variable, self.values, self.repeats, methods=sweep_methods(self.backend))
+        check_plan(self.variable, self.values, self.repeats, methods=sweep_methods(self.backend),
+                   k_range=caps.k_range)
         if self.variable in ("method", "k") and server_drafting(self.backend):
             if not caps.can_reconfigure:
                 raise ValueError(f"a {self.variable} sweep restarts the speculative engine with each value: only "

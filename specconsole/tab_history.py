@@ -10,6 +10,7 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
+from engine.comparison import ComparisonFigures
 from specconsole.columns import LIST
 from specconsole.export import EXPORTS, ExportFolder, export_all as export_csv_files, file_id
 from specconsole.replay import UnknownRun, write_replay
@@ -71,8 +72,9 @@ def run_info(row: dict) -> str:
 
 
 def view(results: dict, comparison: dict, mode: str, show_rejected: bool, saved: dict | None = None):
-    """HTML of both panels and the figures, from the RunResults rebuilt from the history. An N-way run's extra
-    engines (`saved`: History.engines) follow the figures: the engines table, then a panel each."""
+    """HTML of both panels and the figures, from the RunResults rebuilt from the history and the run's saved
+    comparison column (its figures, and the machine's load and the sampling check beside them). An N-way run's
+    extra engines (`saved`: History.engines) follow the figures: the engines table, then a panel each."""
     b, s = results.get("baseline"), results.get("speculative")
     panels = []
     for r, engine in ((b, "baseline"), (s, "speculative")):
@@ -81,12 +83,14 @@ def view(results: dict, comparison: dict, mode: str, show_rejected: bool, saved:
             continue
         note = f"{r.finish_reason} · {len(r.output_tokens)} tokens" if r.finish_reason else "running…"
         panels.append(tokens_html(r.tokens, show_rejected and engine == "speculative", r.error, note))
-    figures = figures_html(b, s, comparison, mode, rolling_acceptance(s) if s else None)
+    main = ComparisonFigures.from_dict(comparison)
+    figures = figures_html(b, s, main, mode, rolling_acceptance(s) if s else None, comparison)
     extra = [e for e in results if e not in ("baseline", "speculative")]
     if extra:
         saved = saved or {}
         labels = {e: (saved.get(e) or {}).get("label") or e for e in results}
-        comparisons = {"speculative": comparison} | {e: (saved.get(e) or {}).get("comparison") or {} for e in extra}
+        comparisons = {"speculative": main} | {e: ComparisonFigures.from_dict((saved.get(e) or {}).get("comparison"))
+                                               for e in extra}
         figures += engines_html(results, labels, comparisons, mode)
         for e in extra:
             r = results[e]

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import gradio as gr
 
-from engine.backend import ENGINES, MAX_EXTRA, Drafting, extra_engine
-from engine.limits import DYNAMIC_K_MAX, MAX_K, MAX_QUEUED_RUNS, SettingsError
+from engine.backend import ENGINES, K_RANGE, MAX_EXTRA, Drafting, extra_engine
+from engine.limits import DYNAMIC_K_MAX, MAX_QUEUED_RUNS, SettingsError
 from engine.exact.models import ModelError
 from engine.methods import METHODS
 from engine.request import (DEFAULT_DRAFT_CONFIDENCE, DEFAULT_DYNAMIC_K, DEFAULT_FALLBACK, DEFAULT_K,
@@ -146,24 +146,33 @@ def costs_markdown(costs: dict) -> str:
               "demo` and the benchmarks draft the same plan for the same request.")
 
 
+def k_range(host: ModelHost) -> tuple[int, int]:
+    """The K the page's sliders offer: the backend's (Capabilities.k_range), engine.limits' until it is loaded."""
+    return host.backend.capabilities.k_range if host.backend is not None else K_RANGE
+
+
 def backend_view(host: ModelHost) -> list:
     """Updates for the drafting controls, the speculative server's section and "Compare with", from the backend's
     capabilities: a setting the backend does not apply is greyed out and says who sets it, rather than silently
-    ignored; a backend with its own speculative servers offers those to compare with."""
+    ignored; the K sliders span the K it drafts; a backend with its own speculative servers offers those to compare
+    with."""
     backend = host.backend
     if backend is None:
-        return [gr.skip()] * (len(DRAFTING_CONTROLS) + 5)
+        return [gr.skip()] * (len(DRAFTING_CONTROLS) + 6)
     ignored = set(backend.ignored_settings(build_request("-", method=host.method)))
     who = f"not applied: set by the speculative server ({backend.describe().get('method')})"
     updates = [gr.update(interactive=False, info=who) if name in ignored
                else gr.update(interactive=True) for name in DRAFTING_CONTROLS]
+    low, high = backend.capabilities.k_range
+    updates[DRAFTING_CONTROLS.index("k")].update(minimum=low, maximum=high)
     costs = costs_markdown(backend.calibration())
     served = backend.drafting()
     methods = backend.capabilities.methods
     server_method = gr.update(choices=list(methods), value=served.method if served and served.method in methods
                               else None) if methods else gr.skip()
-    return [*updates, gr.update(visible=backend.capabilities.can_reconfigure), server_method, compare_choices(backend),
-            gr.update(visible=bool(costs)), costs or gr.skip()]
+    server_k = gr.update(minimum=low, maximum=high, **({"value": served.k} if served and served.k else {}))
+    return [*updates, gr.update(visible=backend.capabilities.can_reconfigure), server_method, server_k,
+            compare_choices(backend), gr.update(visible=bool(costs)), costs or gr.skip()]
 
 
 def compare_choices(backend):
@@ -304,6 +313,8 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
 
     # --- layout ----------------------------------------------------------------------------------------------------
 
+    k_low, k_high = k_range(host)  # backend_view sets the backend's once it is loaded
+    k_default = min(max(DEFAULT_K, k_low), k_high)
     cats = categories()
     with gr.Row(elem_classes="present-hide"):  # the presenter view keeps the panels, legend and headline figures
         with gr.Column(scale=3):
@@ -327,7 +338,7 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
             with gr.Accordion("Speculative server (vLLM, llama.cpp: started by the console)", open=False,
                               visible=False, elem_id="server-drafting") as server_section:
                 server_method = gr.Dropdown([], label="Method")
-                server_k = gr.Slider(1, MAX_K, value=DEFAULT_K, step=1, label="K (draft tokens per step)")
+                server_k = gr.Slider(k_low, k_high, value=k_default, step=1, label="K (draft tokens per step)")
                 server_draft = gr.Textbox(label="Draft model path (methods that load one; empty: the one loaded)")
                 server_apply = gr.Button("Apply (restarts the speculative server)")
                 server_status = gr.Markdown()
@@ -338,7 +349,7 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
                 costs_measure = gr.Button("Measure again (a few seconds; waits for a run to end)", size="sm")
             method = gr.Radio(list(METHODS), value=host.method, label=METHOD_LABEL)
             with gr.Row():
-                k = gr.Slider(1, MAX_K, value=DEFAULT_K, step=1, label="K (draft tokens per step)")
+                k = gr.Slider(k_low, k_high, value=k_default, step=1, label="K (draft tokens per step)")
                 dynamic_k = gr.Checkbox(
                     value=DEFAULT_DYNAMIC_K, label="Dynamic K",
                     info="draft model: keeps drafting while one more token is expected to pay "
@@ -421,4 +432,4 @@ def build(app: gr.Blocks, host: ModelHost, history: History) -> RunTab:
 
     settings = RunSettings(method, k, dynamic_k, confidence, draft_vocab, fallback, top_p, seed, mode, show_rejected)
     return RunTab(settings, run_event, [method, k, dynamic_k, confidence, draft_vocab, fallback, server_section,
-                                        server_method, compare_with, costs_section, costs_text])
+                                        server_method, server_k, compare_with, costs_section, costs_text])

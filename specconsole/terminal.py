@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from engine.backend import extra_engine
 from engine.analysis.check import sampling_check
+from engine.comparison import ComparisonFigures
 from engine.events import Reclassified, RunResult, TokenEvent
 from engine.metrics import compare
 from engine.run_metrics import RunMetrics
@@ -24,8 +25,8 @@ def pair(backend, req) -> int:
     backend.validate(req)  # before printing anything
     results = {engine: stream(backend, engine, req) for engine in ("baseline", "speculative")}
     c = compare(results["baseline"], results["speculative"], req.sampling.greedy)
-    c |= sampling_check(backend, req, results)  # after both runs, outside their timing
-    sys.stdout.write("\n".join(demo_lines(results["speculative"].metrics, c)) + "\n")
+    check = sampling_check(backend, req, results)  # after both runs, outside their timing
+    sys.stdout.write("\n".join(demo_lines(results["speculative"].metrics, c, check)) + "\n")
     return 0
 
 
@@ -41,10 +42,10 @@ def table(backend, base, variants: list) -> int:
     greedy = base.sampling.greedy
     rows = [("engine", "label", "tokens/s", "speedup", "acceptance", "identical")]
     for engine, r in results.items():
-        c = compare(results["baseline"], r, greedy) if engine != "baseline" else {}
+        c = compare(results["baseline"], r, greedy) if engine != "baseline" else ComparisonFigures()
         acceptance = r.metrics.acceptance_rate
-        identical = "-" if "identical" not in c else ("yes" if c["identical"] else f"no@{c['first_divergence']}")
-        speedup = "-" if not c.get("speedup") else f"{c['speedup']:.2f}x"
+        identical = "-" if c.identical is None else ("yes" if c.identical else f"no@{c.first_divergence}")
+        speedup = "-" if not c.speedup else f"{c.speedup:.2f}x"
         rows.append((engine, engines[engine].label if engine in engines else "baseline",
                      f"{r.metrics.tokens_per_s or 0:.2f}", speedup,
                      "-" if acceptance is None else f"{acceptance:.2f}", identical))
@@ -89,24 +90,27 @@ def coloured(token) -> str:
     return f"{colour}{token.text}{RESET if colour else ''}"
 
 
-def demo_lines(s: RunMetrics, c: dict) -> list[str]:
-    """The pair's figures and checks, one line each: `s` the speculative run's metrics, `c` the comparison."""
-    lines = [f"speedup {c['speedup'] or 0:.2f}x (decode {c['decode_speedup'] or 0:.2f}x)"]
+def demo_lines(s: RunMetrics, c: ComparisonFigures, check: dict) -> list[str]:
+    """The pair's figures and checks, one line each: `s` the speculative run's metrics, `c` the comparison, `check`
+    the sampling check (engine.analysis.check)."""
+    lines = [f"speedup {c.speedup or 0:.2f}x (decode {c.decode_speedup or 0:.2f}x)"]
     if s.acceptance_rate is not None:
         lines.append(f"acceptance {s.acceptance_rate:.2f}, mean accepted length {s.mean_accepted_length:.2f}")
     if s.highlighting:
         lines.append(f"highlighting: {s.highlighting}")
-    if "machine_bound" in c:
-        lines.append(f"bound on this machine {c['machine_bound']:.2f}x, efficiency {c.get('efficiency') or 0:.2f}")
+    if c.machine_bound is not None:
+        lines.append(f"bound on this machine {c.machine_bound:.2f}x, efficiency {c.efficiency or 0:.2f}")
     else:
         lines.append("bound: unknown (draft and verify costs not measured)")
-    if "identical" in c:
-        lines.append("greedy outputs identical" if c["identical"]
-                     else f"outputs diverge at token {c['first_divergence']}"
+    if c.identical is not None:
+        lines.append("greedy outputs identical" if c.identical
+                     else f"outputs diverge at token {c.first_divergence}"
                      + (f" ({s.divergence_note})" if s.divergence_note else ""))
-    if c.get("nll_baseline") is not None:
-        lines.append(f"NLL nats/token: baseline {c['nll_baseline']:.2f}, speculative {c['nll_speculative']:.2f} "
-                     f"(perplexity {c['perplexity_baseline']:.1f} | {c['perplexity_speculative']:.1f})")
-    if c.get("sampling_check") or c.get("sampling_check_reason"):
-        lines.append(f"sampling check: {c.get('sampling_check') or 'not checked'} ({c.get('sampling_check_reason')})")
+    if check.get("nll_baseline") is not None:
+        lines.append(f"NLL nats/token: baseline {check['nll_baseline']:.2f}, speculative "
+                     f"{check['nll_speculative']:.2f} (perplexity {check['perplexity_baseline']:.1f} | "
+                     f"{check['perplexity_speculative']:.1f})")
+    if check.get("sampling_check") or check.get("sampling_check_reason"):
+        lines.append(f"sampling check: {check.get('sampling_check') or 'not checked'} "
+                     f"({check.get('sampling_check_reason')})")
     return lines

@@ -24,7 +24,8 @@ from typing import Callable
 import pandas as pd
 from tqdm import tqdm
 
-from engine.limits import (MAX_CONCURRENCY, MAX_K, MAX_PROMPTS_PER_SUITE, MAX_REPEATS, MAX_SWEEP_VALUES,
+from engine.comparison import ComparisonFigures
+from engine.limits import (MAX_CONCURRENCY, MAX_PROMPTS_PER_SUITE, MAX_REPEATS, MAX_SWEEP_VALUES,
                            MAX_TEMPERATURE, SettingsError, check_range, number)
 from engine.llamacpp.server import METHODS as LLAMACPP_METHODS
 from engine.methods import METHODS
@@ -34,7 +35,7 @@ from engine.analysis.stats import bootstrap_ci, ratio_ci
 from engine.vllm.config import METHODS as VLLM_METHODS
 from specconsole.advisor import Advice, ab_conclusion, advise
 from specconsole.history import History
-from engine.backend import ENGINES, Drafting
+from engine.backend import ENGINES, K_RANGE, Drafting
 from specconsole.runner import Comparison, run_meta as runner_meta
 from specconsole.suites import SuitePrompt
 
@@ -52,10 +53,12 @@ LONG_DOCUMENT = (Path(__file__).resolve().parent.parent / "assets" / "long_docum
 
 
 def check_plan(variable: str, values: list[str] | None, repeats: int = 1, prompts_per_suite: int | None = None,
-               methods: tuple[str, ...] = METHODS + VLLM_METHODS + tuple(LLAMACPP_METHODS)) -> list[str]:
+               methods: tuple[str, ...] = METHODS + VLLM_METHODS + tuple(LLAMACPP_METHODS),
+               k_range: tuple[int, int] = K_RANGE) -> list[str]:
     """A suite's shape against engine.limits, before anything is loaded or run: the repeats, the prompts per suite,
-    the number of sweep values and each value (`methods`: those the backend can sweep). Returns the values (the
-    sweep's usual ones when none are given); SettingsError names the first value out of range."""
+    the number of sweep values and each value (`methods`, `k_range`: the methods the backend can sweep and the K it
+    drafts, Capabilities.k_range). Returns the values (the sweep's usual ones when none are given); SettingsError
+    names the first value out of range."""
     if variable not in SWEEPS:
         raise SettingsError(f"unknown sweep {str(variable)[:40]!r}; sweeps: {', '.join(SWEEPS)}")
     check_range("repeats", repeats, 1, MAX_REPEATS, "more repeats add little to the noise estimate; run a second "
@@ -67,7 +70,7 @@ def check_plan(variable: str, values: list[str] | None, repeats: int = 1, prompt
     for value in values:
         what = f"a sweep value of {'K' if variable == 'k' else variable}"
         if variable == "k" and value != "dynamic":
-            check_range(what, number(f"{what} (or dynamic)", value), 1, MAX_K)
+            check_range(what, number(f"{what} (or dynamic)", value), *k_range)
         elif variable == "temperature":
             check_range(what, number(what, value, float), 0.0, MAX_TEMPERATURE)
         elif variable == "concurrency":
@@ -91,10 +94,12 @@ def sweep_methods(backend) -> tuple[str, ...]:
 
 
 def default_values(backend, variable: str) -> list[str]:
-    """A sweep's values when none are given: SWEEPS', less what the backend cannot run (dynamic K where the
-    engine drafts a fixed K), or the methods the backend sweeps by default."""
-    if variable == "k" and server_drafting(backend):
-        return [v for v in SWEEPS["k"] if v != "dynamic"]
+    """A sweep's values when none are given: SWEEPS', less what the backend cannot run (a K outside the K it drafts,
+    dynamic K where the engine drafts a fixed K), or the methods the backend sweeps by default."""
+    if variable == "k":
+        low, high = backend.capabilities.k_range
+        fixed = [v for v in SWEEPS["k"] if v != "dynamic" and low <= int(v) <= high]
+        return fixed if server_drafting(backend) else [*fixed, "dynamic"]
     if variable == "method" and server_drafting(backend):
         return list(backend.capabilities.sweep_methods)
     return list(SWEEPS.get(variable, [""]))
@@ -209,27 +214,28 @@ def runs_frame(history: History, suite_id: str) -> pd.DataFrame:
     for run in history.runs(suite_id=suite_id, limit=1_000_000):
         b = metrics.get(run["id"], {}).get("baseline") or RunMetrics()
         s = metrics.get(run["id"], {}).get("speculative") or RunMetrics()
-        c = json.loads(run["comparison"] or "{}")
+        saved = json.loads(run["comparison"] or "{}")  # the figures, and the sampling check beside them
+        c = ComparisonFigures.from_dict(saved)
         total_ms = 1000 * s.output_tokens / s.tokens_per_s if s.tokens_per_s else None
         rows.append({
             "run_id": run["id"], "category": run["category"], "status": run["status"], "method": run["method"],
             "prompt_id": _prompt_id(run["prompt"] or "", run["settings"]), "prompt": (run["prompt"] or "")[:100],
             "repeat": run["repeat"], "sweep_variable": run["sweep_variable"], "sweep_value": run["sweep_value"] or "",
-            "speedup": c.get("speedup"), "decode_speedup": c.get("decode_speedup"),
+            "speedup": c.speedup, "decode_speedup": c.decode_speedup,
             "baseline_tps": b.tokens_per_s, "speculative_tps": s.tokens_per_s,
-            "acceptance": s.acceptance_rate, "alpha": c.get("alpha"),
+            "acceptance": s.acceptance_rate, "alpha": c.alpha,
             "mean_accepted_length": s.mean_accepted_length,
             "per_position": s.per_position_acceptance or [],
             "histogram": s.acceptance_histogram,  # None: the backend could not place the steps
             "ttft_ms_baseline": b.ttft_ms, "ttft_ms_speculative": s.ttft_ms,
             "tpot_ms_baseline": b.tpot_ms, "tpot_ms_speculative": s.tpot_ms,
             "prefill_share": (s.prefill_ms or 0) / total_ms if total_ms else None,
-            "machine_bound": c.get("machine_bound"), "efficiency": c.get("efficiency"),
-            "identical": c.get("identical"), "sampling_check": c.get("sampling_check"),
-            "first_divergence": c.get("first_divergence"),
-            "divergence_margin": c.get("divergence_margin"),  # the plain pass's margin there (engine.metrics.near_tie)
+            "machine_bound": c.machine_bound, "efficiency": c.efficiency,
+            "identical": c.identical, "sampling_check": saved.get("sampling_check"),
+            "first_divergence": c.first_divergence,
+            "divergence_margin": c.divergence_margin,  # the plain pass's margin there (engine.metrics.near_tie)
             # why this backend's greedy output can part from the baseline's (llama.cpp), where it did
-            "divergence_note": s.divergence_note if c.get("identical") is False else None,
+            "divergence_note": s.divergence_note if c.identical is False else None,
         })
     return pd.DataFrame(rows)
 

@@ -1,14 +1,16 @@
 """The backends implement engine.backend.Backend with the protocol's own signatures, and say what they can do."""
 
 import inspect
+from dataclasses import fields, replace
 
 import pytest
 
 from engine.backend import Backend, Capabilities, Drafting
 from engine.llamacpp.backend import LlamaCppBackend
+from engine.llamacpp.server import EngineConfig, LlamaCppError, parse_method
 from engine.exact.backend import LocalBackend
 from engine.request import Request
-from engine.limits import SettingsError
+from engine.limits import MAX_K, SettingsError
 from engine.vllm.backend import VLLMBackend
 from engine.vllm.config import METHODS as VLLM_METHODS
 from engine.vllm.server import VLLMError
@@ -29,6 +31,11 @@ def test_each_backend_implements_each_member_with_the_protocol_signature(cls, me
     assert got == want, f"{cls.__name__}.{member}{got} differs from Backend.{member}{want}"
 
 
+def test_capabilities_say_which_drafting_and_which_k():
+    assert {"methods", "sweep_methods", "k_range"} <= {f.name for f in fields(Capabilities)}
+    assert Capabilities(False, False, False, False).k_range == (1, MAX_K)  # engine.limits' unless a backend says less
+
+
 def test_capabilities_and_isinstance(backend):
     assert isinstance(backend, Backend)
     caps = backend.capabilities
@@ -46,7 +53,7 @@ def test_vllm_backend_says_which_settings_it_ignores():
     assert attached.capabilities == Capabilities(knows_rejected=False, per_request_drafting=False,
                                                  can_reconfigure=False, concurrent_requests=True,
                                                  fair_strategy="sequential", fixed_variants=True,
-                                                 methods=VLLM_METHODS, sweep_methods=("ngram",))
+                                                 methods=VLLM_METHODS, sweep_methods=("ngram",), k_range=(1, MAX_K))
     assert attached.drafting() is None  # attached without its config
     with pytest.raises(VLLMError, match="only vllm servers the console started can be reconfigured"):
         attached.reconfigure(Drafting("ngram", 2))  # nothing was stopped: there is nothing of ours to restart
@@ -65,6 +72,41 @@ def test_vllm_backend_serves_its_extra_servers_as_variants():
                                   "speculative-3": {"label": "vLLM (config not given)", "method": "vllm"}}
     with pytest.raises(VLLMError, match="no speculative-4 engine on this vllm backend"):
         list(backend.speculative(Request(prompt="x"), engine="speculative-4"))
+
+
+def test_each_backend_says_the_k_it_drafts():
+    """Every backend drafts 1 to engine.limits' K: ours per request; vLLM's num_speculative_tokens and llama.cpp's
+    draft n_max / n-gram length go higher, and the console's limit caps them."""
+    vllm = VLLMBackend("http://127.0.0.1:9", "http://127.0.0.1:9", "m")
+    llama = LlamaCppBackend({"baseline": "http://127.0.0.1:9", "speculative": "http://127.0.0.1:9"},
+                            {"baseline": None, "speculative": None})
+    assert LocalBackend.capabilities.k_range == vllm.capabilities.k_range == llama.capabilities.k_range == (1, MAX_K)
+
+
+def test_a_request_for_a_k_the_backend_does_not_draft_is_refused(backend, monkeypatch):
+    monkeypatch.setattr(backend, "capabilities", replace(backend.capabilities, k_range=(1, 8)))
+    backend.validate(Request(prompt="x", k=8))
+    with pytest.raises(SettingsError, match="^K must be between 1 and 8, got 9: this backend drafts 1 to 8 tokens"):
+        backend.validate(Request(prompt="x", k=9))
+
+
+def test_a_server_is_not_restarted_with_a_k_it_does_not_draft():
+    """The servers' K is their own (the request's is ignored): reconfigure() checks it, before stopping anything."""
+    vllm = VLLMBackend("http://127.0.0.1:9", "http://127.0.0.1:9", "m")
+    vllm.capabilities = replace(vllm.capabilities, k_range=(1, 8))
+    vllm.validate(Request(prompt="x", k=9))  # not applied: nothing to refuse
+    with pytest.raises(SettingsError, match="K must be between 1 and 8, got 9"):
+        vllm.reconfigure(Drafting("ngram", 9))
+    llama = LlamaCppBackend({"baseline": "http://127.0.0.1:9", "speculative": "http://127.0.0.1:9"},
+                            {"baseline": None, "speculative": None})
+    with pytest.raises(SettingsError, match=f"K must be between 1 and {MAX_K}, got {MAX_K + 1}"):
+        llama.reconfigure(Drafting("draft", MAX_K + 1))
+    # llama.cpp would take K = 0 (no drafting) or far more than the limit from the command line: refused there too
+    for k in (0, MAX_K + 1):
+        with pytest.raises(LlamaCppError, match=f"K must be between 1 and {MAX_K}, got {k}"):
+            EngineConfig("speculative", "t.gguf", "draft", k=k)
+        with pytest.raises(LlamaCppError, match="K must be between"):
+            parse_method(f"ngram-simple:k={k}", EngineConfig("speculative", "t.gguf"))
 
 
 @pytest.mark.parametrize("cores, strategy", [(2, "sequential"), (3, "parallel")])

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from engine.events import TokenKind
+from engine.comparison import ComparisonFigures
 from engine.exact.decode import _Recorder
 from engine.stops import StopConditions
 from specconsole import backends
@@ -211,7 +212,7 @@ def test_unicode_run_renders_from_the_history(console, new_page, smol_tokenizer)
     result = run.finish()
     history = History(c.db)
     run_id = history.start_run(prompt="unicode", category="chat", method="ngram", mode="fair")
-    history.finish_run(run_id, "completed", {"speculative": result}, {})
+    history.finish_run(run_id, "completed", {"speculative": result}, ComparisonFigures())
 
     page = new_page(c.url)
     open_history(page)

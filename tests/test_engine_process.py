@@ -46,7 +46,7 @@ def test_the_engines_passes_run_in_the_engine_process(engines, tmp_path):
     pids = {e: r.metrics.engine_pid for e, r in comp.results.items()}
     assert pids == {"baseline": engines.pid, "speculative": engines.pid} and engines.pid != os.getpid()
     assert history.results(comp.run_id)["baseline"].metrics.engine_pid == engines.pid  # saved with the run
-    assert comp.comparison()["identical"]
+    assert comp.comparison().identical
 
 
 @pytest.mark.parametrize("method", ["hybrid", "ngram"])
@@ -127,7 +127,7 @@ def test_a_killed_engine_process_fails_the_run_keeps_its_tokens_and_the_next_run
         assert row["status"] == "failed" and "killed by SIGKILL" in row["error"]
         assert len(history.results(comp.run_id)["baseline"].output_tokens) >= 5  # what it streamed is saved
         again = run_to_end(Comparison(engines, request(), "fair", history, engines.describe()))
-        assert again.status == "completed" and again.comparison()["identical"]
+        assert again.status == "completed" and again.comparison().identical
         assert engines.pid != killed and engines.restarts == 1
         with pytest.raises(ProcessLookupError):
             os.kill(killed, 0)

@@ -15,6 +15,7 @@ import pytest
 from markdown_it import MarkdownIt
 
 from engine.events import RunResult, TokenEvent, TokenKind
+from engine.comparison import ComparisonFigures
 from engine.run_metrics import RunMetrics
 from specconsole.advisor import advise
 from specconsole.history import History
@@ -44,8 +45,9 @@ def save_run(history: History, suite_id: str | None = None, category: str = "cod
                                i) for i, t in enumerate("ab")]
         r.metrics = RunMetrics(tokens_per_s=tps, output_tokens=2, acceptance_rate=0.5, mean_accepted_length=1.5)
         results[engine] = r
-    comparisons = {"speculative-2": {"identical": True, "speedup": 1.2}} if extra else None
-    history.finish_run(run_id, "completed", results, {"speedup": speedup, "identical": True}, comparisons=comparisons)
+    comparisons = {"speculative-2": ComparisonFigures(identical=True, speedup=1.2)} if extra else None
+    history.finish_run(run_id, "completed", results, ComparisonFigures(speedup=speedup, identical=True),
+                       comparisons=comparisons)
     return run_id
 
 

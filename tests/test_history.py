@@ -67,6 +67,7 @@ def test_the_servers_counters_disagreement_is_exported(tmp_path):
     what differs (server_counters_mismatch); a formula-like sentence stays text."""
     import pandas as pd
 
+    from engine.comparison import ComparisonFigures
     from engine.events import RunResult
     from engine.run_metrics import RunMetrics, ServerCounters
     from specconsole.export import export_all
@@ -76,7 +77,7 @@ def test_the_servers_counters_disagreement_is_exported(tmp_path):
     base, spec = RunResult("baseline", "none", 0), RunResult("speculative", "llamacpp-draft", 0)
     spec.metrics = RunMetrics(drafted=36, accepted=30, server={"drafted": 36, "accepted": 30},
                               server_counters=ServerCounters(10, 40, 31, mismatch="=the server counted 40"))
-    history.finish_run(run_id, "completed", {"baseline": base, "speculative": spec}, {})
+    history.finish_run(run_id, "completed", {"baseline": base, "speculative": spec}, ComparisonFigures())
     assert history.results(run_id)["speculative"].metrics.server_counters == spec.metrics.server_counters
     runs_csv, _, engines_csv = export_all(history, tmp_path / "csv")
     engines = pd.read_csv(engines_csv)

@@ -19,6 +19,7 @@ import pandas as pd
 import pytest
 
 from engine.request import Request
+from engine.comparison import ComparisonFigures
 from engine.exact.proposers import Proposal
 from engine.events import PolicyAction, PolicyEvent, Reclassified, RunResult, StepRecord, TokenEvent, TokenKind
 from engine.exact.decode import _Recorder, generate_speculative
@@ -202,7 +203,7 @@ def test_full_database_mid_run_keeps_the_run_on_screen_and_the_history(backend, 
     assert second.save_error and "database or disk is full" in second.save_error
     shown = second.results
     assert len(shown["baseline"].output_tokens) == 180 and len(shown["speculative"].output_tokens) == 180
-    assert second.comparison()["identical"] is True
+    assert second.comparison().identical is True
 
     third = comparison(16)  # starts while the file is still full (its small first row may still fit)
     run_to_end(third)
@@ -318,7 +319,7 @@ def test_unicode_round_trips_through_history_and_csv(tmp_path, smol_tokenizer):
     result = run.finish()
     history = History(tmp_path / "h.db")
     run_id = history.start_run(prompt=UNICODE_TEXT, category="chat")
-    history.finish_run(run_id, "completed", {"speculative": result}, {})
+    history.finish_run(run_id, "completed", {"speculative": result}, ComparisonFigures())
 
     html = tokens_html(result.tokens)
     tags, text = _parse(html)
@@ -467,7 +468,7 @@ def test_steps_keep_their_drafter_and_an_older_history_gains_the_column(tmp_path
     r = RunResult(engine="speculative", method="hybrid", prompt_tokens=1)
     r.steps = [StepRecord(0, 0, 0, 1, 0.0, 1.0, 0.1), StepRecord(1, 3, 2, 3, 1.0, 2.0, 0.2, "ngram", 1)]
     r.policy = [PolicyEvent(1, PolicyAction.FALLBACK, 0, "why", 0.2)]
-    history.finish_run(run_id, "completed", {"speculative": r}, {})
+    history.finish_run(run_id, "completed", {"speculative": r}, ComparisonFigures())
     back = history.results(run_id)["speculative"]
     assert [s.drafter for s in back.steps] == ["", "ngram"]
     assert [s.ignored for s in back.steps] == [None, 1]  # not known for the first (as from a server), 1 ignored

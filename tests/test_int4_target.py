@@ -232,7 +232,7 @@ def test_an_int4_gguf_target_is_stored_mapped_and_greedy_exact(tmp_path, monkeyp
         req = Request(prompt=prompt, max_new_tokens=40, method=method, k=4, dynamic_k=True)
         b, s = run(backend, req, "baseline"), run(backend, req, "speculative")
         c = compare(b, s, greedy=True)
-        assert c["identical"], f"first divergence at token {c['first_divergence']}"
+        assert c.identical, f"first divergence at token {c.first_divergence}"
         assert s.metrics.accepted > 0
 
 

@@ -67,7 +67,7 @@ def test_greedy_baseline_vs_speculative_through_the_protocol(managed):
             c = compare(base, spec, greedy=True)
             b, s = base.output_ids, spec.output_ids
             differ = [i for i in range(max(len(b), len(s))) if i >= min(len(b), len(s)) or b[i] != s[i]]
-            assert c["identical"] == (not differ) and c["first_divergence"] == (differ[0] if differ else None)
+            assert c.identical == (not differ) and c.first_divergence == (differ[0] if differ else None)
             assert spec.metrics.divergence_note == DIVERGENCE_NOTE
             # streamed as they came: one event per token, every kind final, nothing to reclassify
             tokens = [e for e in events if isinstance(e, TokenEvent)]
@@ -368,12 +368,12 @@ def test_default_pair_end_to_end_shows_a_divergence(tmp_path):
                                       "label": "llamacpp-draft"}
         c = compare(base, spec, greedy=True)
         b, s = base.output_ids, spec.output_ids
-        assert not c["identical"] and b[:c["first_divergence"]] == s[:c["first_divergence"]]
-        assert b[c["first_divergence"]] != s[c["first_divergence"]]
+        assert not c.identical and b[:c.first_divergence] == s[:c.first_divergence]
+        assert b[c.first_divergence] != s[c.first_divergence]
         html = figures_html(base, spec, c, "fair", None)
-        assert f"first divergence at token {c['first_divergence']}" in html and "batched pass" in html
-        print(f"default pair: speculative/baseline tok/s {c['speedup']:.2f}, acceptance "
-              f"{spec.metrics.acceptance_rate:.2f}, first divergence {c['first_divergence']}")
+        assert f"first divergence at token {c.first_divergence}" in html and "batched pass" in html
+        print(f"default pair: speculative/baseline tok/s {c.speedup:.2f}, acceptance "
+              f"{spec.metrics.acceptance_rate:.2f}, first divergence {c.first_divergence}")
     finally:
         backend.close()
 

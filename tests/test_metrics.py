@@ -1,11 +1,12 @@
 """Metrics recomputed by hand on a scripted run."""
 
-from dataclasses import replace
+from dataclasses import FrozenInstanceError, replace
 
 import json
 
 import pytest
 
+from engine.comparison import ComparisonFigures
 from engine.events import PolicyEvent, RunResult, StepRecord, TokenEvent, TokenKind
 from engine.metrics import (
     acceptance_alpha, compare, expected_tokens_per_pass, first_divergence, run_metrics, speedup_bound,
@@ -133,16 +134,34 @@ def test_compare_by_hand():
     s, b = scripted_speculative(), scripted_baseline()
     s.metrics, b.metrics = run_metrics(s), run_metrics(b)
     c = compare(b, s, greedy=True)
-    assert c["speedup"] == pytest.approx((9 / 0.8) / (9 / 0.95))
+    assert c.speedup == pytest.approx((9 / 0.8) / (9 / 0.95))
     alpha = (5 + 1) / (5 + 2 + 2)  # 5 accepted, 2 steps ended by a rejection
     assert acceptance_alpha(s.steps[1:]) == pytest.approx(alpha)
-    assert c["alpha"] == pytest.approx(alpha)
-    assert c["draft_cost_ratio"] == pytest.approx(0.1)  # 10 ms per draft token / 100 ms per target step
+    assert c.alpha == pytest.approx(alpha)
+    assert c.draft_cost_ratio == pytest.approx(0.1)  # 10 ms per draft token / 100 ms per target step
     e = expected_tokens_per_pass(alpha, 4)
-    assert c["theoretical_bound"] == pytest.approx(e / 1.4)
-    assert c["machine_bound"] == pytest.approx(e / (0.4 + 1.6))
-    assert c["efficiency"] == pytest.approx(c["decode_speedup"] / c["machine_bound"])
-    assert c["identical"] is True and c["first_divergence"] is None
+    assert c.theoretical_bound == pytest.approx(e / 1.4)
+    assert c.machine_bound == pytest.approx(e / (0.4 + 1.6))
+    assert c.efficiency == pytest.approx(c.decode_speedup / c.machine_bound)
+    assert c.identical is True and c.first_divergence is None
+    with pytest.raises(FrozenInstanceError):
+        c.speedup = 2.0
+
+
+def test_comparisons_saved_by_older_versions_read_into_their_type():
+    """The history's comparison column holds the figures beside the machine's load and the sampling check; older
+    versions left out the figures they did not know or did not compute. They read into ComparisonFigures, unknown
+    where missing, and a saved one reads back equal."""
+    s, b = scripted_speculative(), scripted_baseline()
+    s.metrics, b.metrics = run_metrics(s), run_metrics(b)
+    c = compare(b, s, greedy=True)
+    saved = json.loads(json.dumps(c.to_dict() | {"noisy": False, "sampling_check": None}))
+    assert ComparisonFigures.from_dict(saved) == c
+    old = {"speedup": 1.3, "identical": False, "first_divergence": 4, "noisy": True}  # no bounds, no near-tie
+    assert ComparisonFigures.from_dict(old) == ComparisonFigures(speedup=1.3, identical=False, first_divergence=4)
+    assert ComparisonFigures.from_dict(None) == ComparisonFigures.from_dict([1]) == ComparisonFigures()
+    sampled = compare(b, s, greedy=False)
+    assert sampled.identical is None and sampled.first_divergence is None and sampled.speedup == c.speedup
 
 
 def test_first_divergence():

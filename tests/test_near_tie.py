@@ -62,8 +62,8 @@ def planted_pair(margins=(0.004, 0.001)) -> tuple[RunResult, RunResult]:
 def test_a_planted_near_tie_is_shown_at_the_first_divergence():
     b, s = planted_pair()
     c = compare(b, s, greedy=True)
-    assert c["first_divergence"] == 1 and c["divergence_margin"] == 0.004
-    assert c["near_tie"] == {
+    assert c.first_divergence == 1 and c.divergence_margin == 0.004
+    assert c.near_tie == {
         "baseline": {"token": 2, "text": "<b>", "runner_up": 3, "runner_up_text": "c", "margin": 0.004},
         "speculative": {"token": 3, "text": "c", "runner_up": 2, "runner_up_text": "<b>", "margin": 0.001}}
     html = figures_html(b, s, c, "fair", None)
@@ -74,9 +74,9 @@ def test_a_planted_near_tie_is_shown_at_the_first_divergence():
     for t in s.tokens:
         t.margin = t.runner_up = None
     c = compare(b, s, greedy=True)
-    assert c["near_tie"] is None and c["divergence_margin"] is None
+    assert c.near_tie is None and c.divergence_margin is None
     assert "why: unknown" in figures_html(b, s, c, "fair", None)
-    assert "near_tie" not in compare(b, b, greedy=True)  # identical: nothing to explain
+    assert compare(b, b, greedy=True).near_tie is None  # identical: nothing to explain
 
 
 def test_a_runner_up_named_by_text_is_shown_saved_and_replayed(tmp_path):

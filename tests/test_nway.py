@@ -43,7 +43,7 @@ def test_every_speculative_engine_is_identical_to_the_baseline_when_greedy(backe
     assert list(comparisons) == ["speculative", "speculative-2", "speculative-3", "speculative-4"]
     for engine, c in comparisons.items():
         assert results[engine].output_ids == baseline, engine
-        assert c["identical"] is True and c["first_divergence"] is None and c["speedup"], engine
+        assert c.identical is True and c.first_divergence is None and c.speedup, engine
     # the K=4 fixed engine drafted 4 at a time, the n-gram one by lookup
     assert max(s.drafted for s in results["speculative-3"].steps) == 4  # fewer only where the answer's end is near
     assert {s.drafter for s in results["speculative-2"].steps if s.drafted} <= {"ngram"}
@@ -63,8 +63,8 @@ def test_a_diverging_extra_engine_is_reported(backend, monkeypatch):
     monkeypatch.setattr(backend, "speculative", broken)
     comp = run_to_end(Comparison(backend, base, "fair", None, {}, extra=from_presets(base, ["n-gram"])))
     c = comp.comparisons()
-    assert c["speculative"]["identical"] is True
-    assert c["speculative-2"]["identical"] is False and c["speculative-2"]["first_divergence"] == 0
+    assert c["speculative"].identical is True
+    assert c["speculative-2"].identical is False and c["speculative-2"].first_divergence == 0
 
 
 def test_fair_mode_takes_turns_across_all_engines(backend):
@@ -169,7 +169,8 @@ def test_a_database_of_the_old_schema_opens_with_its_runs_intact(backend, tmp_pa
     run_id = old_history.start_run(mode="fair", prompt=req.prompt, method="draft", category="chat")
     # the old code saved the metrics as a dict
     as_dicts = {e: replace(r, metrics=r.metrics.to_dict()) for e, r in comp.results.items()}
-    old_history.finish_run(run_id, "completed", as_dicts, comp.comparison())
+    saved_form = comp.comparison().to_dict() | comp.checks()["speculative"]  # the old code took the merged dict
+    old_history.finish_run(run_id, "completed", as_dicts, saved_form)
     before = comp.results  # what the old code saved (its own reader knows only the step fields of its day)
     old_history.db.conn.close()
     assert "engines" not in sqlite_tables(path)
@@ -180,7 +181,7 @@ def test_a_database_of_the_old_schema_opens_with_its_runs_intact(backend, tmp_pa
     assert history.run(run_id)["status"] == "completed"
     saved = history.engines(run_id)
     assert list(saved) == ["baseline", "speculative"] and saved["speculative"]["method"] == "draft"
-    assert saved["speculative"]["comparison"] == json.loads(json.dumps(comp.comparison()))
+    assert saved["speculative"]["comparison"] == json.loads(json.dumps(saved_form))
     after = history.results(run_id)
     assert list(after) == ["baseline", "speculative"]
     for engine in before:

@@ -37,7 +37,7 @@ def test_page_greys_out_what_the_backend_does_not_apply(backend):
     host = ModelHost("x", lambda p: None)
     assert all(u == gr.skip() for u in backend_view(host))  # still loading: nothing changes yet
     host.backend = ServerLike(backend)
-    *controls, section, server_method, compare, costs, costs_text = backend_view(host)
+    *controls, section, server_method, server_k, compare, costs, costs_text = backend_view(host)
     assert len(controls) == len(DRAFTING_CONTROLS)
     assert all(u["interactive"] is False and "set by the speculative server (eagle)" in u["info"] for u in controls)
     assert section["visible"] is False  # attached servers cannot be reconfigured from the page
@@ -46,14 +46,41 @@ def test_page_greys_out_what_the_backend_does_not_apply(backend):
     assert costs["visible"] is False  # a server's own policy drafts: no cost model of ours to show
     # a server the console started: its section offers the backend's own methods, the served one picked
     host.backend = RestartableServer(backend)
-    _, section, server_method, *_ = backend_view(host)[len(DRAFTING_CONTROLS) - 1:]
+    _, section, server_method, server_k, *_ = backend_view(host)[len(DRAFTING_CONTROLS) - 1:]
     assert section["visible"] is True
     assert server_method["choices"] == ["eagle", "ngram"] and server_method["value"] == "eagle"
+    assert server_k["value"] == 4  # the K it serves
     host.backend = backend
-    *controls, section, server_method, compare, costs, costs_text = backend_view(host)
+    *controls, section, server_method, server_k, compare, costs, costs_text = backend_view(host)
     assert all(u["interactive"] is True for u in controls) and section["visible"] is False
     # our policy's cost model, shown with what it measured
     assert costs["visible"] is True and "a plain target step" in costs_text and "draft token" in costs_text
+
+
+def test_the_k_sliders_span_the_k_the_backend_drafts(backend, tmp_path):
+    """The Run tab's K and the speculative server's K offer what the backend drafts (Capabilities.k_range), whether
+    the backend is loaded before the page is built or after (backend_view); engine.limits' K until then."""
+    from dataclasses import replace
+
+    from engine.limits import MAX_K
+    from specconsole.app import build
+    from specconsole.host import ModelHost
+    from specconsole.tab_run import DRAFTING_CONTROLS, backend_view
+    from tests.test_workbench import RestartableServer
+
+    def sliders(app) -> list[tuple[int, int]]:  # the Run tab's K, the server's K
+        return [(b.minimum, b.maximum) for b in app.blocks.values() if isinstance(b, gr.Slider)
+                and b.label.startswith("K (")]
+
+    host = ModelHost("x", lambda p: None)
+    assert sliders(build(host, History(tmp_path / "h.db"))) == [(1, MAX_K)] * 2
+    server = RestartableServer(backend)
+    server.capabilities = replace(server.capabilities, k_range=(2, 8))
+    host.backend = server
+    assert sliders(build(host, History(tmp_path / "h.db"))) == [(2, 8)] * 2
+    updates = backend_view(host)
+    k, server_k = updates[DRAFTING_CONTROLS.index("k")], updates[len(DRAFTING_CONTROLS) + 2]
+    assert (k["minimum"], k["maximum"]) == (server_k["minimum"], server_k["maximum"]) == (2, 8)
 
 
 def test_the_page_builds_with_its_elements(tmp_path):

@@ -83,7 +83,7 @@ def test_the_page_does_no_work_while_a_pass_is_timed(console, engines):
                                                        method="ngram", k=3, dynamic_k=False, draft_confidence=0.0),
                                 "fair", None, {}))
     # the same work: the same passes, the same output
-    assert comparison["identical"] and api.comparison()["identical"]
+    assert comparison["identical"] and api.comparison().identical
     assert [len(api.results[e].steps) for e in ("baseline", "speculative")] == _steps(history, run["id"])
     # the console's own threads spent (almost) nothing during the timed passes: Gradio serialised each update
     # between two passes. The few milliseconds left are its event loop writing the queued message to the socket.

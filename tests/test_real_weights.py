@@ -107,7 +107,7 @@ def test_ngram_greedy_identical(smol, prompt):
     req = Request(prompt=prompt, max_new_tokens=48, method="ngram", k=4, dynamic_k=True)
     b, s = run(smol, req, "baseline"), run(smol, req, "speculative")
     c = compare(b, s, greedy=True)
-    assert c["identical"], f"first divergence at token {c['first_divergence']}"
+    assert c.identical, f"first divergence at token {c.first_divergence}"
 
 
 def test_ngram_accepts_on_copying_prompt(smol):

@@ -4,9 +4,12 @@ rejected drafts hidden when asked, the figures, the live panel's updates, and wh
 
 import pytest
 
+from engine.comparison import ComparisonFigures
 from engine.events import RunResult, StepRecord, TokenEvent, TokenKind
 from specconsole import charts
 from specconsole.render import figures_html, token_span, tokens_html
+
+UNKNOWN = ComparisonFigures()  # no comparison figure known: these tests look at the runs' own
 
 
 def test_tokens_are_escaped():
@@ -37,11 +40,11 @@ def test_provisional_accuracy_is_a_vllm_figure():
     b, s = RunResult("baseline", "none", 0), RunResult("speculative", "ngram", 0)
     b.metrics = RunMetrics(server={"time_to_first_token_ms": 5.0})
     s.metrics = RunMetrics(server={"time_to_first_token_ms": 4.0}, provisional_accuracy=0.75, output_tokens=12)
-    assert "provisional kinds right" in (html := figures_html(b, s, {}, "fair", None)) and "75%" in html
+    assert "provisional kinds right" in (html := figures_html(b, s, UNKNOWN, "fair", None)) and "75%" in html
     s.metrics.provisional_accuracy = None
-    assert "unknown" in figures_html(b, s, {}, "fair", None).split("provisional kinds right")[1][:80]
+    assert "unknown" in figures_html(b, s, UNKNOWN, "fair", None).split("provisional kinds right")[1][:80]
     local = RunResult("speculative", "draft", 0)
-    assert "provisional" not in figures_html(None, local, {}, "fair", None)  # not a figure of the local backend
+    assert "provisional" not in figures_html(None, local, UNKNOWN, "fair", None)  # not a figure of the local backend
 
 
 def test_the_servers_own_counters_stand_beside_the_run():
@@ -54,15 +57,15 @@ def test_the_servers_own_counters_stand_beside_the_run():
     s = RunResult("speculative", "llamacpp-draft", 0)
     s.metrics = RunMetrics(server={"drafted": 40, "accepted": 31},
                            server_counters=ServerCounters(10, 40, 33, expected_difference="a stop <b>cut</b> it"))
-    value = figures_html(None, s, {}, "fair", None).split(label)[1][:200]
+    value = figures_html(None, s, UNKNOWN, "fair", None).split(label)[1][:200]
     assert "40 | 33" in value and "a stop &lt;b&gt;cut&lt;/b&gt; it" in value and "✖" not in value
     s.metrics.server_counters = ServerCounters(10, 40, 31, mismatch="the server counted <img src=x>")
-    value = figures_html(None, s, {}, "fair", None).split(label)[1][:200]
+    value = figures_html(None, s, UNKNOWN, "fair", None).split(label)[1][:200]
     assert '<span class="exact diverged">✖ the server counted &lt;img src=x&gt;</span>' in value
     s.metrics.server_counters = None  # a llama-server started without --metrics
-    assert figures_html(None, s, {}, "fair", None).split(label)[1][:60].count("unknown") == 1
+    assert figures_html(None, s, UNKNOWN, "fair", None).split(label)[1][:60].count("unknown") == 1
     local = RunResult("speculative", "draft", 0)
-    assert "counters" not in figures_html(None, local, {}, "fair", None)
+    assert "counters" not in figures_html(None, local, UNKNOWN, "fair", None)
 
 
 def test_rejected_drafts_can_be_hidden():

@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 
 from engine.request import Request
+from engine.comparison import ComparisonFigures
 from specconsole import charts
 from specconsole.export import export_csv
 from specconsole.history import History
@@ -25,7 +26,7 @@ def test_comparison_saved_and_rebuilt(backend, tmp_path, mode):
     comp = run_to_end(Comparison(backend, req, mode, history, meta))
     assert comp.status == "completed"
     c = comp.comparison()
-    assert c["identical"] is True
+    assert c.identical is True
 
     row = history.run(comp.run_id)
     assert row["status"] == "completed" and row["mode"] == mode and row["identical"] == 1
@@ -163,7 +164,7 @@ def test_the_turn_after_the_pages_drawing_goes_to_each_engine_alike(backend, mon
     comp = Comparison(backend, Request(prompt="hello there", max_new_tokens=40, method="draft", k=2), "fair", None, {})
     comp.page_idle = page
     run_to_end(comp)
-    assert comp.comparison()["identical"]
+    assert comp.comparison().identical
     both = max(i for i, (engine, _) in enumerate(turns) if engine == "speculative")  # while both engines ran
     after_draw = [engine for engine, drew in turns[:both] if drew]
     counts = {e: after_draw.count(e) for e in comp.engines}
@@ -244,7 +245,7 @@ def test_busy_machine_marks_the_run_noisy():
     result = load.result()
     assert result["noisy"] and result["other_cores"] > 0.5, result
     assert "other processes used" in result["noise"]
-    html = figures_html(None, None, result, "fair", None)
+    html = figures_html(None, None, ComparisonFigures(), "fair", None, result)
     assert "machine during the run" in html and "noisy" in html
 
 
@@ -290,7 +291,7 @@ def test_other_processes_are_counted_in_the_passes_they_overlap():
     passes = result["others_in_passes"]
     assert passes["baseline"] > 0.5 and passes["speculative"] < 0.3, passes
     assert result["noisy"]
-    html = figures_html(None, None, result, "fair", None)  # the page says where it fell
+    html = figures_html(None, None, ComparisonFigures(), "fair", None, result)  # the page says where it fell
     assert f"passes: baseline {passes['baseline']:.2f}, speculative {passes['speculative']:.2f}" in html
 
 
@@ -316,11 +317,11 @@ def test_noisy_flag_is_saved_and_exported(backend, tmp_path):
     history = History(tmp_path / "h.db")
     req = Request(prompt="hello", max_new_tokens=8, method="draft", k=2)
     comp = run_to_end(Comparison(backend, req, "fair", history, {"category": "chat"}))
-    c = comp.comparison()
-    assert {"noisy", "other_cores", "load_average"} <= c.keys()
-    assert history.run(comp.run_id)["noisy"] == int(c["noisy"])
+    machine = comp.checks()["speculative"]
+    assert {"noisy", "other_cores", "load_average"} <= machine.keys()
+    assert history.run(comp.run_id)["noisy"] == int(machine["noisy"])
     summary, _ = export_csv(history, tmp_path / "csv")
-    assert pd.read_csv(summary).loc[0, "noisy"] == int(c["noisy"])
+    assert pd.read_csv(summary).loc[0, "noisy"] == int(machine["noisy"])
 
 
 def test_ui_lock_is_taken_in_turn_so_an_engine_cannot_starve_the_page():

@@ -6,6 +6,7 @@ import torch
 
 from engine.request import Request
 from engine.analysis.check import ABSURD_NLL, COPY_FRACTION, MIN_DRAFTS, copy_fraction, sampling_check, verdict
+from engine.comparison import ComparisonFigures
 from engine.events import RunResult
 from engine.exact.forward import forward, new_cache
 from engine.metrics import compare
@@ -49,10 +50,10 @@ def test_lossless_runs_pass_and_the_verdict_is_saved_and_exported(backend, tmp_p
         comp.start()
         while not comp.poll(0.05):
             pass
-        c = comp.comparison()
+        c = comp.checks()["speculative"]
         assert c["sampling_check"] == "ok", c["sampling_check_reason"]
         assert c["nll_baseline"] > 0 and c["nll_speculative"] > 0 and c["perplexity_baseline"] > 1
-        assert "sampling check" in figures_html(*comp.results.values(), c, "fair", None)
+        assert "sampling check" in figures_html(*comp.results.values(), comp.comparison(), "fair", None, c)
         row = history.run(comp.run_id)
         assert row["sampling_check"] == "ok" and row["nll_speculative"] == c["nll_speculative"]
         ids.append(comp.run_id)
@@ -70,8 +71,8 @@ def test_a_sampler_that_ignores_the_temperature_is_suspect(backend):
                "speculative": result(backend, "speculative", sampled(5.0, 3, max_new_tokens=32))}
     c = sampling_check(backend, req, results)
     assert c["sampling_check"] == "suspect" and c["nll_speculative"] > c["nll_baseline"] + 1
-    html = figures_html(results["baseline"], results["speculative"], compare(*results.values(), False) | c, "fair",
-                        None)
+    html = figures_html(results["baseline"], results["speculative"], compare(*results.values(), False), "fair", None,
+                        c)
     assert "✖ suspect" in html and "far less likely" in html
 
 
@@ -107,5 +108,5 @@ def test_copy_fraction():
 def test_unknown_figures_print_unknown():
     s = RunResult("speculative", "ngram", 0, finish_reason="length")
     s.metrics = RunMetrics(passes_saved=None, output_tokens=64, target_passes=None)
-    html = figures_html(None, s, {}, "fair", None)
+    html = figures_html(None, s, ComparisonFigures(), "fair", None)
     assert "unknown" in html and "None" not in html and "64 of 64" not in html

@@ -128,7 +128,7 @@ def test_both_stream_greedy_identical_and_exactly_classified(vllm):
     assert isinstance(events[-2], Reclassified)
     assert [(k, st, pos) for _, k, st, pos in events[-2].tokens] == [(t.kind, t.step, t.position) for t in s.tokens]
     assert s.metrics.highlighting.startswith("exact")  # the n-gram replay places steps without drafts
-    assert compare(b, s, greedy=True)["identical"]
+    assert compare(b, s, greedy=True).identical
     kinds = [t.kind for t in s.output_tokens]
     assert TokenKind.PENDING not in kinds and kinds[0] == TokenKind.BASELINE
     # the counts add up: every step commits its accepted drafts plus one token of the target's
@@ -265,9 +265,9 @@ def test_sampled_runs_are_checked_and_never_misplaced(vllm, vllm_cpu_broken, tmp
     for prompt, seed in [(JSON_PROMPT, 7), (CHAT_PROMPT, 8)] * 3:
         comp = compared(vllm, sampled(prompt, seed + len(verdicts)), history)
         b, s = comp.results["baseline"], comp.results["speculative"]
-        c, row = comp.comparison(), history.run(comp.run_id)
+        c, row = comp.checks()["speculative"], history.run(comp.run_id)
         assert row["sampling_check"] == c["sampling_check"] and row["nll_speculative"] == c["nll_speculative"]
-        html = figures_html(b, s, c, "fair", None)
+        html = figures_html(b, s, comp.comparison(), "fair", None, c)
         passes = html.split("target passes saved")[1][:80]
         if s.metrics.highlighting.startswith("exact"):
             assert_exactly_classified(s)
@@ -297,7 +297,7 @@ def test_a_fixed_server_passes_the_check(vllm, smol_dir, tmp_path):
         fixed.warm_up(("speculative",))
         for prompt, seed in ((JSON_PROMPT, 7), (CHAT_PROMPT, 8)):
             comp = compared(fixed, sampled(prompt, seed, max_new_tokens=24))
-            c, s = comp.comparison(), comp.results["speculative"]
+            c, s = comp.checks()["speculative"], comp.results["speculative"]
             assert c["sampling_check"] == "ok", c["sampling_check_reason"]
             assert_exactly_classified(s)
             if prompt == JSON_PROMPT:
@@ -369,7 +369,7 @@ def test_nway_fair_comparison_of_two_ngram_servers(smol_dir, tmp_path):
         for engine, k in (("speculative", 2), ("speculative-2", 6)):
             r = results[engine]
             assert r.output_ids == baseline, engine  # greedy: speculation must not change the answer
-            assert comp.comparisons(results)[engine]["identical"] is True
+            assert comp.comparisons(results)[engine].identical is True
             assert r.metrics.tokens_per_s and r.metrics.ttft_ms is not None
             assert_exactly_classified(r)  # its own server's counts and /metrics delta place its tokens
             assert r.metrics.drafted > 0 and max(st.drafted for st in r.steps) <= k, engine

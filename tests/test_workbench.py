@@ -9,6 +9,7 @@ import pytest
 
 from engine.request import Request
 from engine.analysis.stats import bootstrap_ci
+from engine.limits import SettingsError
 from specconsole import backends
 from specconsole.advisor import ab_conclusion, advise
 from specconsole.history import History
@@ -382,6 +383,7 @@ def store_runs(history: History, suite_id: str, category: str, sweep_value: str,
     comparison): prompt i at speedups[i]; the prompts in `diverge` part from the baseline's greedy output at token
     7, the others are identical."""
     from engine.events import RunResult
+    from engine.comparison import ComparisonFigures
     from engine.llamacpp.backend import DIVERGENCE_NOTE
     from engine.run_metrics import RunMetrics
 
@@ -394,8 +396,8 @@ def store_runs(history: History, suite_id: str, category: str, sweep_value: str,
                          metrics=RunMetrics(tokens_per_s=9.1 * speedup, output_tokens=64, acceptance_rate=0.5,
                                             mean_accepted_length=2.0, divergence_note=DIVERGENCE_NOTE))
         history.finish_run(run_id, "completed", {"baseline": base, "speculative": spec},
-                           {"speedup": speedup, "identical": i not in diverge,
-                            "first_divergence": 7 if i in diverge else None})
+                           ComparisonFigures(speedup=speedup, identical=i not in diverge,
+                                             first_divergence=7 if i in diverge else None))
 
 
 def test_stored_llamacpp_sweep_where_every_setting_loses(backend, tmp_path):
@@ -498,6 +500,21 @@ def test_k_sweep_on_a_server_restarts_it_per_k_then_restores_it(backend, tmp_pat
     with pytest.raises(ValueError, match="must be one of eagle, ngram"):
         SuiteJob(server, None, ITEMS, build_request(""), variable="method", values=["draft"]).check()
 
+
+def test_a_k_sweep_takes_the_k_the_backend_drafts(backend):
+    """The sweep's K values against the backend's Capabilities.k_range, not engine.limits' alone: its usual values
+    less those the backend does not draft, and a typed one outside its range refused before anything runs."""
+    from dataclasses import replace
+
+    from engine.request import build_request
+    from specconsole.suite_job import SuiteJob
+
+    server = RestartableServer(backend)
+    server.capabilities = replace(server.capabilities, k_range=(2, 6))
+    assert SuiteJob(server, None, ITEMS, build_request(""), variable="k").values == ["2", "4"]
+    with pytest.raises(SettingsError, match="a sweep value of K must be between 2 and 6, got 8"):
+        SuiteJob(server, None, ITEMS, build_request(""), variable="k", values=["4", "8"]).check()
+    SuiteJob(server, None, ITEMS, build_request(""), variable="k", values=["2", "6"]).check()
 
 def test_a_category_histogram_is_summed_and_unknown_where_a_run_could_not_place_its_steps():
     from specconsole.workbench import _histogram

@@ -18,7 +18,7 @@ from engine.presets import PRESETS, Preset
 from engine.prompts import encode_prompt
 from engine.exact.optimize import MIN_ROWS, free_rows
 from engine.exact.precision import AUTO, resolve_precision
-from engine.backend import Capabilities
+from engine.backend import K_RANGE, Capabilities
 from engine.exact import calibration, grouped_int8, int8_store
 from engine.exact.policy import Costs, PolicyConfig, SpecPolicy
 from engine.exact.proposers import Draft
@@ -36,8 +36,9 @@ class LocalBackend:
     are known token by token. Both engines share the models, so fair mode alternates their passes."""
 
     name = "local"
+    # the request's K, any that engine.limits allows (engine.exact.policy.PolicyConfig checks the same bounds)
     capabilities = Capabilities(knows_rejected=True, per_request_drafting=True, can_reconfigure=False,
-                                concurrent_requests=False, fair_strategy="alternate")
+                                concurrent_requests=False, fair_strategy="alternate", k_range=K_RANGE)
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, tree_rows: int | None = None):
         if draft is not None:
@@ -170,6 +171,8 @@ class LocalBackend:
         """The prompt as the target's tokens, after checking that this backend can serve `req` (`drafting`: its
         drafting too; the baseline drafts nothing)."""
         req.validate()
+        if drafting:
+            self.capabilities.check_k(req.k)
         if drafting and needs_draft(req.method) and self.draft is None:
             raise SettingsError(f"this setup has no draft model, which {req.method} drafting needs: choose n-gram "
                                 "drafting or load a draft")

@@ -46,8 +46,8 @@ from engine.backend import MAX_EXTRA, Capabilities, Drafting, cores_left_over, e
 from engine.events import Event, RunResult, StepRecord, TokenEvent, TokenKind
 from engine.serving.http_safety import fetch, redact
 from engine.llamacpp.client import is_last, parse_chunk, render_prompt, request_body
-from engine.llamacpp.server import (DRAFT_MODEL_METHODS, METHODS, WHEEL, EngineConfig, LlamaCppEngine, LlamaCppError,
-                                    ServerBuild)
+from engine.llamacpp.server import (DRAFT_MODEL_METHODS, K_RANGE, METHODS, WHEEL, EngineConfig, LlamaCppEngine,
+                                    LlamaCppError, ServerBuild)
 from engine.llamacpp.steps import StepTracker
 from engine.metrics import run_metrics
 from engine.request import Request
@@ -96,7 +96,7 @@ class LlamaCppBackend(ServerBackend):
         self.capabilities = Capabilities(knows_rejected=False, per_request_drafting=False,
                                          can_reconfigure=len(self.servers) >= 2, concurrent_requests=slots > 1,
                                          fair_strategy="parallel" if own else "sequential", fixed_variants=True,
-                                         methods=tuple(METHODS), sweep_methods=sweep)
+                                         methods=tuple(METHODS), sweep_methods=sweep, k_range=K_RANGE)
 
     # --- set-up ----------------------------------------------------------------------------------------------------
 
@@ -176,6 +176,7 @@ class LlamaCppBackend(ServerBackend):
         """Restart the managed speculative engine with other drafting (a method of METHODS, K, the draft GGUF for
         the draft methods, and EngineConfig's n_min, p_min and ngram_n as options). If the new one fails to start,
         the old one runs again and the error is raised."""
+        self.capabilities.check_k(drafting.k)
         old = self.managed_speculative()
         if drafting.method not in METHODS:
             raise LlamaCppError(f"unknown llama.cpp method {drafting.method!r}; methods: {', '.join(METHODS)}")
@@ -220,6 +221,7 @@ class LlamaCppBackend(ServerBackend):
 
     def validate(self, req: Request) -> None:
         req.validate()  # the server tokenizes; a prompt too long for its context comes back as the run's error
+        # the request's K is not applied (ignored_settings): the engine's own is checked by reconfigure()
 
     def memory(self) -> dict | None:
         """The GGUF files the managed engines loaded (each engine holds its own copy of the target) vs this

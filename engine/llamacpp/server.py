@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.serving.guarded_process import GuardedProcess, healthy, server_env
+from engine.limits import MAX_K
 from engine.methods import parse_spec
 from engine.serving.stream import ServerError
 
@@ -50,6 +51,9 @@ METHODS = {
     "ngram-cache": ("NGRAM_CACHE", "ngram_cache"),
 }
 DRAFT_MODEL_METHODS = ("draft", "eagle3")  # a second GGUF drafts (an EAGLE-3 head is a GGUF of its own)
+# K: llama.cpp takes a draft n_max from 0 (no drafting) and an n-gram length up to 1024 (b11434's common/arg.cpp);
+# at least one draft, and engine.limits caps it as for every backend
+K_RANGE = (1, MAX_K)
 BASE_OPTIONS = ("model.path", "n_ctx", "n_parallel", "port", "hostnames", "api_keys", "cpuparams.n_threads",
                 "cpuparams_batch.n_threads", "speculative.types", "verbosity", "endpoint_metrics")
 # the options each method's settings need; K is draft.n_max for the draft methods, the n-gram types' own length
@@ -92,6 +96,10 @@ class EngineConfig:
     ctx: int = 4096
     api_key: str | None = None
     parallel: int = 1  # requests served at once (llama-server --parallel; the context is split between them)
+
+    def __post_init__(self):
+        if self.k is not None and not K_RANGE[0] <= self.k <= K_RANGE[1]:
+            raise LlamaCppError(f"K must be between {K_RANGE[0]} and {K_RANGE[1]}, got {self.k}")
 
     def label(self) -> str:
         """What the page calls this engine: "llama.cpp draft K=4"."""

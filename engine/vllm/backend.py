@@ -57,7 +57,7 @@ from engine.sampling_params import SamplingParams
 from engine.serving.backend import ServerBackend, start_in_turn
 from engine.serving.stream import Cancelled, ServerError, stream_chunks
 from engine.vllm.client import parse_chunk, request_body
-from engine.vllm.config import METHODS, config_of, drafting_of, server_label
+from engine.vllm.config import K_RANGE, METHODS, config_of, drafting_of, server_label
 from engine.vllm.server import ServerConfig, VLLMError, VLLMServer, has_gpu, memory_shares
 from engine.vllm.steps import ChunkGuess, kinds, ngram_drafts, place_steps, provisional_accuracy, replays_ngram
 
@@ -101,7 +101,7 @@ class VLLMBackend(ServerBackend):
         self.capabilities = Capabilities(knows_rejected=False, per_request_drafting=False,
                                          can_reconfigure=len(self.servers) >= 2, concurrent_requests=True,
                                          fair_strategy="parallel" if owned else "sequential", fixed_variants=True,
-                                         methods=METHODS, sweep_methods=sweep)
+                                         methods=METHODS, sweep_methods=sweep, k_range=K_RANGE)
 
     # --- set-up ----------------------------------------------------------------------------------------------------
 
@@ -181,6 +181,7 @@ class VLLMBackend(ServerBackend):
     def reconfigure(self, drafting: Drafting) -> None:
         """Restart the managed speculative server with another --speculative-config (the page's settings). If the
         new one fails to start, the old one is started again and the error, with the log's tail, is raised."""
+        self.capabilities.check_k(drafting.k)
         old = self.managed_speculative()
         speculative = config_of(drafting, self.speculative_config.get("model"))
 
@@ -221,6 +222,7 @@ class VLLMBackend(ServerBackend):
 
     def validate(self, req: Request) -> None:
         req.validate()  # the server tokenizes; a prompt too long for its context comes back as the run's error
+        # the request's K is not applied (ignored_settings): the server's own is checked by reconfigure()
         if req.max_new_tokens >= self.max_model_len:
             raise SettingsError(f"{req.max_new_tokens} new tokens do not fit the server's context of "
                                 f"{self.max_model_len} tokens (prompt and answer together): ask for fewer")

@@ -8,14 +8,16 @@ from engine.methods import digits, nonempty, parse_specs
 from engine.vllm.server import VLLMError
 
 METHODS = ("ngram", "draft_model", "eagle", "eagle3", "medusa", "mtp", "suffix")
+# num_speculative_tokens: vLLM takes any positive count; engine.limits caps it as for every backend
+K_RANGE = (1, MAX_K)
 
 
 def speculative_config(method: str, k: int, draft: str | None = None, ngram_min: int = 1, ngram_max: int = 4) -> dict:
     """The --speculative-config for a method and K."""
     if method not in METHODS:
         raise VLLMError(f"unknown speculative method {method!r}; vLLM serves {', '.join(METHODS)}")
-    if not 1 <= k <= MAX_K:
-        raise VLLMError(f"K must be between 1 and {MAX_K}, got {k}")
+    if not K_RANGE[0] <= k <= K_RANGE[1]:
+        raise VLLMError(f"K must be between {K_RANGE[0]} and {K_RANGE[1]}, got {k}")
     config = {"method": method, "num_speculative_tokens": k}
     if method == "ngram":
         config |= {"prompt_lookup_min": ngram_min, "prompt_lookup_max": ngram_max}
