@@ -87,9 +87,9 @@ def test_a_runner_up_named_by_text_is_shown_saved_and_replayed(tmp_path):
     s.tokens[1] = replace(s.tokens[1], runner_up=None, runner_up_text="<b>")
     s.tokens[0] = replace(s.tokens[0], runner_up=None, runner_up_text="\ud83d")
     c = compare(b, s, greedy=True)
-    assert c["near_tie"]["baseline"] == {"token": 2, "text": "<b>", "runner_up": None, "runner_up_text": "c",
+    assert c.near_tie["baseline"] == {"token": 2, "text": "<b>", "runner_up": None, "runner_up_text": "c",
                                          "margin": 0.004}
-    assert c["near_tie"]["speculative"]["runner_up_text"] == "<b>" and c["divergence_margin"] == 0.004
+    assert c.near_tie["speculative"]["runner_up_text"] == "<b>" and c.divergence_margin == 0.004
     html = figures_html(b, s, c, "fair", None)
     assert "the speculative engine&#x27;s pass chose &#x27;c&#x27; over &#x27;&lt;b&gt;&#x27; by 0.001 (logits" in html
     history = History(tmp_path / "h.db")
@@ -98,7 +98,7 @@ def test_a_runner_up_named_by_text_is_shown_saved_and_replayed(tmp_path):
     history.finish_run(run_id, "completed", {"baseline": b, "speculative": s}, c)
     saved = history.results(run_id)
     assert [t.runner_up_text for t in saved["speculative"].tokens] == ["\ufffd", "<b>", None]
-    assert compare(saved["baseline"], saved["speculative"], greedy=True)["near_tie"] == c["near_tie"]
+    assert compare(saved["baseline"], saved["speculative"], greedy=True).near_tie == c.near_tie
     assert "chose 'c' over '<b>' by 0.001" in payload(history, run_id)["near_tie"]
 
 

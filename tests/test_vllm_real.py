@@ -157,11 +157,11 @@ def assert_near_tie_evidence(b: RunResult, s: RunResult, streamed: list[TokenEve
     planted.tokens[i] = replace(s.tokens[i], token_id=s.tokens[i].token_id + 1)
     planted.output_ids[i] += 1
     c = compare(b, planted, greedy=True)
-    assert c["first_divergence"] == i and c["divergence_margin"] == b.output_tokens[i].margin
-    assert c["near_tie"]["baseline"] == {"token": b.output_ids[i], "text": b.output_tokens[i].text, "runner_up": None,
+    assert c.first_divergence == i and c.divergence_margin == b.output_tokens[i].margin
+    assert c.near_tie["baseline"] == {"token": b.output_ids[i], "text": b.output_tokens[i].text, "runner_up": None,
                                          "runner_up_text": b.output_tokens[i].runner_up_text,
                                          "margin": b.output_tokens[i].margin}
-    assert c["near_tie"]["speculative"]["margin"] == s.output_tokens[i].margin
+    assert c.near_tie["speculative"]["margin"] == s.output_tokens[i].margin
     html = figures_html(b, planted, c, "fair", None)
     assert "near-tie? the plain pass chose" in html and "why: unknown" not in html
 
