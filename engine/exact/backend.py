@@ -19,7 +19,7 @@ from engine.prompts import encode_prompt
 from engine.exact.optimize import MIN_ROWS, free_rows
 from engine.exact.precision import AUTO, resolve_precision
 from engine.backend import K_RANGE, Capabilities
-from engine.exact import calibration, grouped_int8, int8_store
+from engine.exact import calibration, grouped_int8, huge_pages, int8_store
 from engine.exact.policy import Costs, PolicyConfig, SpecPolicy
 from engine.exact.proposers import Draft
 from engine.request import MIN_DRAFT_VOCAB, Request
@@ -76,11 +76,16 @@ class LocalBackend:
         if why:
             log.warning("the target runs in float32: %s", why)
         backend = cls._load_pair(preset, dev, min_rows, on_progress, precision)
+        if dev.type == "cpu" and precision in ("int8", "int4"):
+            # once both have loaded: the draft's loading peak is over before all the target's weights are resident
+            moved = huge_pages.move(backend.target.model)
+            log.info("the target: %.2f GB of its weights in huge pages", moved / 1e9)
         backend.precision, backend.precision_note = precision, why
         # the costs hold for these models in these forms on this kernel: a new form or kernel measures again
         backend.stored_as = backend.describe() | {"target": preset.target, "draft": preset.draft, "device": str(dev),
                                                   "min_rows": min_rows, "form": int8_store.FORMAT,
-                                                  "kernel": grouped_int8.build_key()}
+                                                  "kernel": grouped_int8.build_key(),
+                                                  "pages": huge_pages.PLACEMENT}
         if calibrate:
             if on_progress:
                 on_progress("the policy's costs (measured once per machine and models, then stored)", 0, 1)
