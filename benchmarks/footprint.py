@@ -8,8 +8,9 @@
 
 Figures: RSS and USS (psutil memory_full_info) once loaded and after a short greedy run on both engines; peak RSS
 (getrusage ru_maxrss) and peak USS (sampled every 0.1 s); seconds from process start (imports included) to a
-LocalBackend that can serve, and from `python launch.py` to the console's "Ready"; the preset's files in the cache.
-Timings on a shared machine are noisy; memory is not.
+LocalBackend that can serve, and from `python launch.py` to the console's "Ready" (with the RSS of the console's
+process and of its engine process then); the preset's files in the cache. Timings on a shared machine are noisy;
+memory is not.
 """
 
 from __future__ import annotations
@@ -93,11 +94,14 @@ def measure(preset: str, cache: Path, code: Path, precision: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def console_start(preset: str, cache: Path, code: Path, precision: str) -> float:
+def console_start(preset: str, cache: Path, code: Path, precision: str) -> dict:
     """Seconds from `python launch.py` to the console's "Ready" (its loader's log line; the page polls the same
-    state), gradio and the page included. The page must answer too."""
+    state), gradio and the page included, and the RSS of the console's process and of its engine process then. The
+    page must answer too."""
     import socket
     import urllib.request
+
+    import psutil
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -113,6 +117,10 @@ def console_start(preset: str, cache: Path, code: Path, precision: str) -> float
             for line in proc.stderr:
                 if "models ready" in line:
                     ready = time.monotonic() - start
+                    console = psutil.Process(proc.pid)
+                    engines = sum(p.memory_info().rss for p in console.children(recursive=True))
+                    out = {"console_ready_s": round(ready, 1), "console_rss_gib": console.memory_info().rss / GIB,
+                           "engine_process_rss_gib": engines / GIB}
                     break
                 if "loading the models failed" in line or "Traceback" in line:
                     raise SystemExit(f"the console failed to load: {line.strip()}")
@@ -123,7 +131,7 @@ def console_start(preset: str, cache: Path, code: Path, precision: str) -> float
         finally:
             proc.terminate()
             proc.wait(60)
-    return ready
+    return out
 
 
 STORED = {"int8": "int8 (the int8 target's stored form)", "int4": "int4 (the int4 target's stored form)",
@@ -197,13 +205,14 @@ def main() -> None:
     log.info("cached start...")
     runs["cached"] = measure(args.preset, cache, args.code, args.precision)
     log.info("cached start of the console...")
-    runs["cached"]["console_ready_s"] = round(console_start(args.preset, cache, args.code, args.precision), 1)
+    runs["cached"] |= console_start(args.preset, cache, args.code, args.precision)
     files = preset_files(args.preset, cache)
     for kind, r in runs.items():
         log.info("%s start: ready in %.1f s (process start to a backend that can serve, imports included)",
                  kind, r["ready_s"])
         if "console_ready_s" in r:
-            log.info("  the console (python launch.py): \"Ready\" after %.1f s", r["console_ready_s"])
+            log.info("  the console (python launch.py): \"Ready\" after %.1f s; then RSS %.2f GiB, its engine "
+                     "process %.2f GiB", r["console_ready_s"], r["console_rss_gib"], r["engine_process_rss_gib"])
         log.info("  loaded: RSS %.2f GiB, USS %.2f GiB; after an 8-token run on both engines: RSS %.2f GiB, "
                  "USS %.2f GiB", r["loaded_rss_gib"], r["loaded_uss_gib"], r["steady_rss_gib"], r["steady_uss_gib"])
         log.info("  peak: RSS %.2f GiB (ru_maxrss), USS %.2f GiB (sampled); weights as counted by the engine "

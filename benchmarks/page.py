@@ -45,6 +45,7 @@ import psutil
 
 from benchmarks.doc_table import machine, machine_kind, write_table
 from engine.analysis.stats import against_target, bootstrap_ci, ratio_ci
+from engine.run_metrics import RunMetrics
 from engine.setup import setup
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -182,8 +183,10 @@ def _latest_run(db: Path) -> dict:
     steps = {engine: conn.execute("SELECT step, drafted, emitted, draft_ms, verify_ms FROM steps WHERE run_id = ? "
                                   "AND engine = ? ORDER BY step", (row["id"], engine)).fetchall()
              for engine in ("baseline", "speculative")}
+    metrics = {e: RunMetrics.from_dict(json.loads(m or "{}")) for e, m in conn.execute(
+        "SELECT engine, metrics FROM engines WHERE run_id = ? AND engine IN ('baseline', 'speculative')",
+        (row["id"],))}
     conn.close()
-    metrics = {e: json.loads(row[f"{e}_metrics"] or "{}") for e in ("baseline", "speculative")}
     return {"baseline_tps": row["baseline_tps"], "speculative_tps": row["speculative_tps"], "status": row["status"],
             "noisy": row["noisy"], **_disturbance(machine), **_pass_costs(steps), **_time_split(metrics, steps)}
 
@@ -213,15 +216,15 @@ def _time_split(metrics: dict, steps: dict) -> dict:
     later passes' draft and verify time, the sum) and `{engine}_outside_ms` (the rest of the run: streaming, the
     engine's own bookkeeping, waiting for the CPU between passes). tok/s is output tokens / run time, so a page/API
     tok/s ratio below 1 shows up in one of the three. An engine that does not time its passes (llama.cpp's
-    speculative server) gives passes 0, and outside then holds its decoding. `metrics`: engine -> run metrics
-    (engine.metrics.run_metrics); `steps`: engine -> (step, drafted, emitted, draft_ms, verify_ms) rows."""
+    speculative server) gives passes 0, and outside then holds its decoding. `metrics`: engine -> RunMetrics;
+    `steps`: engine -> (step, drafted, emitted, draft_ms, verify_ms) rows."""
     out = {}
     for engine, m in metrics.items():
-        n, tps = m.get("output_tokens"), m.get("tokens_per_s")
+        n, tps = m.output_tokens, m.tokens_per_s
         if not (n and tps):
             continue
         total = 1000 * n / tps
-        prefill = m.get("prefill_ms") or 0.0
+        prefill = m.prefill_ms or 0.0
         passes = sum(r[3] + r[4] for r in steps.get(engine, []) if r[0] > 0)
         out |= {f"{engine}_prefill_ms": prefill, f"{engine}_passes_ms": passes,
                 f"{engine}_outside_ms": total - prefill - passes}

@@ -160,8 +160,8 @@ def _known(m: RunMetrics | None, key: str, spec: str = "") -> str:
 def _histogram_figure(s: RunMetrics | None) -> str:
     """How many speculative steps accepted 0, 1, 2, ... drafts, and the share that accepted none."""
     counts = _get(s, "acceptance_histogram")
-    if not counts:
-        return _known(s, "acceptance_histogram")
+    if not counts:  # None: not known, or no run yet; []: no step yet
+        return _known(s, "acceptance_histogram") if counts is None else "–"
     bars = " · ".join(f"{i}: {number(n)}" for i, n in enumerate(counts))
     return (f'{bars}<div class="fig-note">{number(s.steps_accepting_nothing, ".0%")} of the steps accepted '
             f'nothing: each bought one token for a target pass and a draft</div>')
@@ -180,8 +180,8 @@ def _time_split_figure(b: RunMetrics | None, s: RunMetrics | None) -> str:
 
 def near_tie_text(comparison: dict) -> str:
     """Plain text: at a greedy run's first divergence, each engine's pass there, its token, its runner-up and the
-    logit margin between them (engine.metrics.near_tie); "unknown" where an engine did not record it; ""
-    for a run without a divergence, or saved before it was recorded. The replay shows it too."""
+    logit margin between them (engine.metrics.near_tie); "unknown" where an engine did not record it (a run saved
+    before it was recorded included); "" for a run without a divergence. The replay shows it too."""
     if comparison.get("identical") is not False or "near_tie" not in comparison:
         return ""
     tie = comparison["near_tie"]

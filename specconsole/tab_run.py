@@ -143,7 +143,9 @@ def costs_markdown(costs: dict) -> str:
             f"**{curve[1]:.1f} ms**, a pass over 5 tokens {curve.get(5, curve[longest]):.1f} ms, over {longest} "
             f"{curve[longest]:.1f} ms" + (f", a draft token **{draft:.1f} ms**" if draft is not None else "")
             + ". The policy drafts from these costs alone, never from a run's own timings: the page, `launch.py "
-              "demo` and the benchmarks draft the same plan for the same request.")
+              "demo` and the benchmarks draft the same plan for the same request."
+            + (" Other processes took the CPU while they were measured: they hold for this start only, and the next "
+               "start measures them again." if costs.get("others_cores") else ""))
 
 
 def k_range(host: ModelHost) -> tuple[int, int]:

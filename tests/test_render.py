@@ -163,3 +163,16 @@ def test_time_per_pass_averages_a_long_runs_passes():
     assert fig.data[0].x[-1] == pytest.approx((3.99 + 4.01) / 2) and fig.data[0].width[-1] == pytest.approx(0.02)
     assert fig.layout.annotations[0].text == ("speculative: 401 target passes, the first (reading the prompt) 10 ms, "
                                               "each bar the mean of 3")
+
+
+def test_the_histogram_before_any_step_is_a_dash_and_unknown_where_not_known(caplog):
+    """A speculative run that has no step yet (the page's first update) has an empty histogram: "–", not a list shown
+    as a number; a backend that cannot count them says unknown."""
+    from engine.run_metrics import RunMetrics
+
+    s = RunResult("speculative", "draft", 0)
+    s.metrics = RunMetrics(acceptance_histogram=[])
+    value = figures_html(None, s, UNKNOWN, "fair", None).split("drafts accepted per step")[1][:80]
+    assert "–" in value and "?" not in value and "not a number" not in caplog.text
+    s.metrics.acceptance_histogram = None
+    assert "unknown" in figures_html(None, s, UNKNOWN, "fair", None).split("drafts accepted per step")[1][:80]

@@ -76,16 +76,17 @@ class LocalBackend:
         if why:
             log.warning("the target runs in float32: %s", why)
         backend = cls._load_pair(preset, dev, min_rows, on_progress, precision)
+        huge = 0
         if dev.type == "cpu" and precision in ("int8", "int4"):
             # once both have loaded: the draft's loading peak is over before all the target's weights are resident
-            moved = huge_pages.move(backend.target.model)
-            log.info("the target: %.2f GB of its weights in huge pages", moved / 1e9)
+            huge = huge_pages.move(backend.target.model)
+            log.info("the target: %.2f GB of its weights in huge pages", huge / 1e9)
         backend.precision, backend.precision_note = precision, why
         # the costs hold for these models in these forms on this kernel: a new form or kernel measures again
         backend.stored_as = backend.describe() | {"target": preset.target, "draft": preset.draft, "device": str(dev),
                                                   "min_rows": min_rows, "form": int8_store.FORMAT,
                                                   "kernel": grouped_int8.build_key(),
-                                                  "pages": huge_pages.PLACEMENT}
+                                                  "pages": huge_pages.PLACEMENT if huge else "as loaded"}
         if calibrate:
             if on_progress:
                 on_progress("the policy's costs (measured once per machine and models, then stored)", 0, 1)

@@ -29,13 +29,15 @@ EMBEDDINGS = (nn.Embedding, GGUFEmbedding)
 
 
 def move(model: nn.Module) -> int:
-    """Copy the weights of `model` that its passes read in full (all but an embedding's rows, of which a pass reads a
-    few) into one anonymous mapping advised MADV_HUGEPAGE, in place: the tensors keep their objects, and a tensor
-    shared by two modules stays shared. Returns the bytes of that mapping now in huge pages (0 where it got none).
+    """Copy `model`'s parameters and buffers that its passes read in full (all but an embedding's rows, of which a
+    pass reads a few) into one anonymous mapping advised MADV_HUGEPAGE, in place: the tensors keep their objects, so
+    a tensor two modules hold stays shared; each becomes contiguous, and two distinct tensors over one storage no
+    longer share it. Weights kept outside parameters and buffers (fbgemm's or oneDNN's packed ones) stay where
+    they are. Returns the bytes of that mapping now in huge pages (0 where it got none).
 
-    A tensor mapped from a file (a stored target) is read from the file (pread), not copied through its mapping:
-    faulting in 4 KiB pages one by one cost 4.6 s for the default target where reading took a fraction of that (a
-    2-core AMD EPYC VM), and the process never holds the file's pages beside the copy."""
+    A tensor mapped from a file that nothing wrote to (a stored target) is read from the file (pread), not copied
+    through its mapping: faulting its 4 KiB pages in one by one took 4.6 s for the default target where reading
+    took a fraction of that (a 2-core AMD EPYC VM), and the process never holds the file's pages beside the copy."""
     tensors = read_in_full(model)
     size = sum(_padded(t.nbytes) for t in tensors)
     if not size:
@@ -47,16 +49,20 @@ def move(model: nn.Module) -> int:
         log.info("no huge pages for the weights (%s)", e)
     memory = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` alive as long as any tensor uses it
     at = -memory.data_ptr() % HUGE  # the first tensor on a huge page's boundary
+    through_mapping = 0
     with _Files() as files:
         for t in tensors:
             place = memory[at:at + t.nbytes].view(t.dtype).view(t.shape)
             source = files.where(t) if t.is_contiguous() else None
             if source is None:
+                through_mapping += t.nbytes if files.mapped(t) else 0
                 place.copy_(t.data)
             else:
                 _read_into(memoryview(region)[at:at + t.nbytes], *source)
             t.data = place
             at += _padded(t.nbytes)
+    if through_mapping:  # its pages now count against this process for as long as the file stays mapped
+        log.warning("%.2f GB of weights copied through a file's mapping, not read from the file", through_mapping / 1e9)
     huge = mapping(memory.data_ptr()).get("AnonHugePages", "0 kB")
     return 1024 * int(huge.split()[0])
 
@@ -70,26 +76,38 @@ def read_in_full(model: nn.Module) -> list[torch.Tensor]:
 
 
 class _Files:
-    """This process's mappings of files (/proc/self/maps), to find where in which file a mapped tensor's bytes are."""
+    """This process's mappings of files (/proc/self/smaps), to find where in which file a mapped tensor's bytes are.
+    A mapping with private pages (written to since it was mapped) holds other bytes than its file: not read."""
 
     def __enter__(self) -> _Files:
         self.maps, self.fds = [], {}
         try:
-            with open("/proc/self/maps") as f:
+            with open("/proc/self/smaps") as f:
                 for line in f:
-                    fields = line.split(maxsplit=5)
-                    if len(fields) == 6 and fields[5].startswith("/"):
+                    head, _, rest = line.partition(" ")
+                    if not head.endswith(":"):  # a mapping's first line: "low-high perms offset dev inode path"
+                        fields = line.split(maxsplit=5)
                         low, high = (int(x, 16) for x in fields[0].split("-"))
-                        self.maps.append((low, high, int(fields[2], 16), int(fields[4]), fields[5].rstrip("\n")))
+                        path = fields[5].rstrip("\n") if len(fields) == 6 else ""
+                        self.maps.append([low, high, int(fields[2], 16), int(fields[4]), path, True])
+                    elif head == "Anonymous:" and self.maps and rest.split()[0] != "0":
+                        self.maps[-1][5] = False
         except OSError:
             pass
+        self.maps = [m for m in self.maps if m[4].startswith("/")]
         return self
 
+    def mapped(self, t: torch.Tensor) -> bool:
+        return any(low <= t.data_ptr() < high for low, high, *_ in self.maps)
+
     def where(self, t: torch.Tensor) -> tuple[int, int] | None:
-        """(an open descriptor of the file, the offset in it) of contiguous `t`'s bytes, or None if not mapped."""
+        """(an open descriptor of the file, the offset in it) of contiguous `t`'s bytes, or None if not mapped from
+        a file that still holds them."""
         start, end = t.data_ptr(), t.data_ptr() + t.nbytes
-        for low, high, offset, inode, path in self.maps:
+        for low, high, offset, inode, path, clean in self.maps:
             if low <= start and end <= high:
+                if not clean:
+                    return None
                 try:
                     if path not in self.fds:
                         self.fds[path] = os.open(path, os.O_RDONLY)

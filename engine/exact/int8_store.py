@@ -3,7 +3,7 @@
 Loading a GGUF as an int8 target dequantizes and quantizes every Linear (engine.exact.grouped_int8): about 10 s of
 a start for the 1.5B target. The first such load saves the model's tensors (the Linears' codes, scales and lows,
 the norms, the embedding's GGUF rows) to <cache>/<form>/<gguf name>-<size>-v<FORMAT>.pt; later loads build the
-model empty and map that file (torch.load(mmap=True)): nothing is computed. A LocalBackend then reads the
+model empty and map that file (torch.load(mmap=True)): nothing is computed. LocalBackend.from_preset then reads the
 Linears' bytes into huge pages (engine.exact.huge_pages); the embedding's rows stay mapped, read as tokens need
 them. A file that does not load is rebuilt. An int4 target's file also lists its Linears with 4-bit codes,
 and those of them with a Q4_K tensor's scale form.

@@ -21,7 +21,8 @@ from engine.serving.http_safety import (IDENTITY, MAX_ERROR_BYTES, MAX_LINE_BYTE
 
 CONNECT_TIMEOUT_S = 10.0
 TOKEN_MARGIN = 16  # tokens a stream may bring beyond max_tokens before it is cut off (servers never send more)
-LINE_BYTES_PER_TOKEN = 256  # a token in a chunk: its id, text and logprob entry; a chunk may hold many
+# a token in a chunk: its id, text and logprob entry, with a greedy run's top 2 (vLLM); a chunk may hold many
+LINE_BYTES_PER_TOKEN = 512
 
 
 class ServerError(RuntimeError):
