@@ -56,6 +56,7 @@ def test_a_plain_tensor_is_not_in_an_advised_mapping():
     assert "hg" not in huge_pages.mapping(t.data_ptr()).get("VmFlags", "").split()
 
 
+@pytest.mark.slow  # SmolLM2's int4 target and draft built, stored and read back: 40 s
 def test_the_int4_targets_weights_are_in_huge_pages_and_greedy_stays_exact(tmp_path, monkeypatch):
     """SmolLM2 as an int4 target drafting for itself, as the console loads it (built, then read back from its stored
     form): the target's weights in one advised mapping, the draft's where its load put them, greedy still exact."""
