@@ -25,7 +25,7 @@ import time
 import torch
 
 from benchmarks.doc_table import machine, machine_kind, write_table
-from benchmarks.timing import code_context
+from benchmarks.timing import code_context, timed
 from engine.analysis.stats import bootstrap_ci
 from engine.exact import huge_pages
 from engine.exact.forward import forward, new_cache, rollback
@@ -48,12 +48,6 @@ def placements(spec: str, role: str, precision: str) -> dict:
     moved = huge_pages.move(models["huge pages"])
     print(f"  {role} {spec}: {moved / 1e9:.2f} GB of its weights in huge pages")
     return models
-
-
-def timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return 1000 * (time.perf_counter() - t)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,12 +24,11 @@ import copy
 import logging
 import statistics
 import sys
-import time
 
 import torch
 
 from benchmarks.doc_table import machine_kind
-from benchmarks.timing import code_context
+from benchmarks.timing import code_context, timed
 from engine.analysis.stats import bootstrap_ci
 from engine.exact.forward import forward, new_cache, rollback
 from engine.exact.grouped_int8 import GroupedInt4Linear, GroupedInt8Linear, GroupedQ4KLinear, int4_of_gguf
@@ -60,12 +59,6 @@ def linear_bytes(model) -> tuple[int, int]:
         return sum(b.nbytes for b in m.buffers())
     layers = [m for m in model.modules() if isinstance(m, GroupedInt8Linear)]
     return sum(map(size, layers)), sum(size(m) for m in layers if isinstance(m, GroupedQ4KLinear))
-
-
-def timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return 1000 * (time.perf_counter() - t)
 
 
 def main(argv: list[str] | None = None) -> int:

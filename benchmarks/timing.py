@@ -15,6 +15,13 @@ def code_context(tokenizer, n: int) -> list[int]:
     return tokenizer(source, add_special_tokens=False)["input_ids"][:n]
 
 
+def timed(fn) -> float:
+    """ms that fn() took."""
+    t = time.perf_counter()
+    fn()
+    return 1000 * (time.perf_counter() - t)
+
+
 def forward_ms_in_turns(model, context: list[int], configs: dict[Hashable, Callable], rounds: int,
                         warmup: int) -> dict[Hashable, list[float]]:
     """ms of each timed forward pass, per configuration: `configs[key](cache)` runs one pass after `context`, and

@@ -80,21 +80,10 @@ class _Files:
     A mapping with private pages (written to since it was mapped) holds other bytes than its file: not read."""
 
     def __enter__(self) -> _Files:
-        self.maps, self.fds = [], {}
-        try:
-            with open("/proc/self/smaps") as f:
-                for line in f:
-                    head, _, rest = line.partition(" ")
-                    if not head.endswith(":"):  # a mapping's first line: "low-high perms offset dev inode path"
-                        fields = line.split(maxsplit=5)
-                        low, high = (int(x, 16) for x in fields[0].split("-"))
-                        path = fields[5].rstrip("\n") if len(fields) == 6 else ""
-                        self.maps.append([low, high, int(fields[2], 16), int(fields[4]), path, True])
-                    elif head == "Anonymous:" and self.maps and rest.split()[0] != "0":
-                        self.maps[-1][5] = False
-        except OSError:
-            pass
-        self.maps = [m for m in self.maps if m[4].startswith("/")]
+        self.fds = {}
+        # [low, high, offset, inode, path, clean]
+        self.maps = [[low, high, offset, inode, path, fields.get("Anonymous", "0 kB").split()[0] == "0"]
+                     for (low, high, offset, inode, path), fields in _smaps() if path.startswith("/")]
         return self
 
     def mapped(self, t: torch.Tensor) -> bool:
@@ -136,20 +125,33 @@ def _padded(nbytes: int) -> int:
 
 
 def mapping(address: int) -> dict[str, str]:
-    """The /proc/self/smaps fields of the mapping that holds `address` ({} where there is no such file): its sizes
-    ("AnonHugePages": "1280000 kB") and "VmFlags" ("hg": advised MADV_HUGEPAGE)."""
-    fields: dict[str, str] = {}
+    """The /proc/self/smaps fields of the mapping that holds `address` ({} where there is none): its sizes
+    ("AnonHugePages": "1280000 kB"), "VmFlags" ("hg": advised MADV_HUGEPAGE) and "range"."""
+    for (low, high, *_), fields in _smaps():
+        if low <= address < high:
+            return fields | {"range": f"{low:x}-{high:x}"}
+    return {}
+
+
+def _smaps():
+    """Each mapping of this process as ((low, high, file offset, inode, path), {field: value}) from /proc/self/smaps
+    (nothing where there is no such file)."""
     try:
         with open("/proc/self/smaps") as f:
-            for line in f:
-                head, _, rest = line.partition(" ")
-                if not head.endswith(":"):  # a mapping's first line: "low-high perms offset ..."
-                    if fields:
-                        return fields
-                    low, high = (int(x, 16) for x in head.split("-"))
-                    fields = {"range": head} if low <= address < high else {}
-                elif fields:
-                    fields[head[:-1]] = rest.strip()
+            lines = f.readlines()
     except OSError:
-        pass
-    return fields
+        return
+    head, fields = None, {}
+    for line in lines:
+        name, _, rest = line.partition(" ")
+        if name.endswith(":"):
+            fields[name[:-1]] = rest.strip()
+            continue
+        if head:  # a mapping's first line: "low-high perms offset dev inode path"
+            yield head, fields
+        parts = line.split(maxsplit=5)
+        low, high = (int(x, 16) for x in parts[0].split("-"))
+        head = (low, high, int(parts[2], 16), int(parts[4]), parts[5].rstrip("\n") if len(parts) == 6 else "")
+        fields = {}
+    if head:
+        yield head, fields
