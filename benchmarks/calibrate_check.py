@@ -22,6 +22,7 @@ from itertools import product
 from pathlib import Path
 
 from engine.exact.backend import LocalBackend
+from engine.drafting import Drafting
 from engine.request import Request
 from engine.analysis.check import ABSURD_NLL, MIN_TOKENS, Z_MIN, copy_fraction, nll_margin, nll_stats, verdict, z_score
 from engine.events import RunResult
@@ -42,9 +43,9 @@ def collect(args) -> list[dict]:
     for category in args.categories or categories():
         for item in load_suite(category)[: args.prompts]:
             for temperature, max_new_tokens, seed in product(args.temperatures, args.max_new_tokens, range(args.seeds)):
-                req = Request(prompt=item.prompt, earlier_turns=item.earlier_turns, method=args.method, k=4,
-                              max_new_tokens=max_new_tokens,
-                              sampling=SamplingParams(temperature, 0, 1.0, 1000 + seed))
+                req = Request(prompt=item.prompt, earlier_turns=item.earlier_turns, max_new_tokens=max_new_tokens,
+                              sampling=SamplingParams(temperature, 0, 1.0,
+                                                      1000 + seed), drafting=Drafting(method=args.method, k=4))
                 b, s = run(backend, req, "baseline"), run(backend, req, "speculative")
                 scores = backend.score(req, [b.output_ids, s.output_ids])
                 pairs.append({"category": category, "temperature": temperature, "seed": seed,

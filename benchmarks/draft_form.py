@@ -41,6 +41,7 @@ from engine.exact.optimize import quantize_linear
 from engine.exact.precision import PRECISIONS
 from engine.exact.models import load
 from engine.presets import PRESETS
+from engine.drafting import Drafting
 from engine.request import Request
 from engine.setup import setup
 
@@ -165,9 +166,9 @@ def main(argv=None) -> int:
             d.model, context, {1: lambda cache, m=d.model: forward(m, context[:1], cache, keep=1)}, 15, 2)[1])
             for form, d in drafts.items()}
     requests = [Request(prompt=item.prompt, earlier_turns=item.earlier_turns, max_new_tokens=args.max_new_tokens,
-                        method=preset.method) for _, item in plan]
+                        drafting=Drafting(method=preset.method)) for _, item in plan]
     for b in backends.values():  # warm-up
-        run_engine(b, "speculative", Request(prompt="Hello", max_new_tokens=8, method=preset.method))
+        run_engine(b, "speculative", Request(prompt="Hello", max_new_tokens=8, drafting=Drafting(method=preset.method)))
 
     rows = {form: [[] for _ in plan] for form in forms}
     differ: set[int] = set()

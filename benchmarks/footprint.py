@@ -59,6 +59,7 @@ def child(preset_name: str, precision: str) -> None:
     else:
         setup()
     from engine.exact.backend import LocalBackend
+    from engine.drafting import Drafting
     from engine.request import Request
 
     # the float32 default is not named, so that a checkout from before --precision (--code) still loads
@@ -66,8 +67,9 @@ def child(preset_name: str, precision: str) -> None:
     ready_s = time.time() - proc.create_time()
     gc.collect()
     loaded = proc.memory_full_info()
-    req = Request(prompt="Write a Python function that reverses a string.", max_new_tokens=8, method="draft"
-                  if backend.draft else "ngram", k=4)
+    req = Request(prompt="Write a Python function that reverses a string.", max_new_tokens=8,
+                  drafting=Drafting(method="draft"
+                  if backend.draft else "ngram", k=4))
     *_, base = backend.baseline(req)
     *_, spec = backend.speculative(req)
     gc.collect()

@@ -92,9 +92,9 @@ def run(backends: dict, engine: str, req: Request):
 
 def policy_words(req: Request) -> str:
     """The drafting policy a request asks for, in a table's words."""
-    k = f"dynamic K up to {req.k_max}" if req.dynamic_k else f"K {req.k}"
-    confidence = f", draft confidence floor {req.draft_confidence}" if req.draft_confidence else ""
-    return f"{k}{confidence}, fallback {'on' if req.fallback else 'off'}"
+    k = f"dynamic K up to {req.drafting.k_max}" if req.drafting.dynamic_k else f"K {req.drafting.k}"
+    confidence = f", draft confidence floor {req.drafting.draft_confidence}" if req.drafting.draft_confidence else ""
+    return f"{k}{confidence}, fallback {'on' if req.drafting.fallback else 'off'}"
 
 
 def bench_prompt(backends: dict, reqs: dict, order: list[str], spec_engines: list[str]) -> dict:

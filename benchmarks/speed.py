@@ -37,6 +37,7 @@ from benchmarks.doc_table import machine
 from engine.exact.backend import LocalBackend
 from engine.exact.precision import AUTO, PRECISIONS
 from engine.methods import METHODS
+from engine.drafting import Drafting
 from engine.request import Request
 from engine.events import RunResult
 from engine.metrics import compare, first_divergence
@@ -94,17 +95,17 @@ def run_hf(backend, req: Request, assisted: bool, counter: PassCounter) -> tuple
 
 
 def parse_variant(spec: str) -> dict:
-    """'hybrid,draft_vocab=32768' -> {"method": "hybrid", "draft_vocab": 32768}: Request fields, a bare word is a
+    """'hybrid,draft_vocab=32768' -> {"method": "hybrid", "draft_vocab": 32768}: Drafting fields, a bare word is a
     method; values take the type of the field's default."""
-    fields = {f.name: f for f in dataclasses.fields(Request)}
+    fields = {f.name: f for f in dataclasses.fields(Drafting)}
     out = {}
     for part in filter(None, spec.split(",")):
         key, eq, value = part.partition("=")
         if not eq:
             key, value = "method", key
-        if key not in fields or key in ("prompt", "sampling", "earlier_turns", "stop_strings"):
-            raise SystemExit(f"--variants: {key!r} is not a setting of a run (e.g. method, k, draft_confidence)")
-        kind = type(getattr(Request(prompt="-"), key))
+        if key not in fields or key in ("draft", "options"):
+            raise SystemExit(f"--variants: {key!r} is not a drafting setting (e.g. method, k, draft_confidence)")
+        kind = type(getattr(Drafting(), key))
         out[key] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
     return out
 
@@ -130,7 +131,7 @@ def bench_prompt(backend, req: Request, counter: PassCounter, order: list[str], 
         if engine in ("baseline", "speculative"):
             runs[engine] = run_engine(backend, engine, req)
         elif engine.startswith("variant:"):
-            runs[engine] = run_engine(backend, "speculative", dataclasses.replace(req, **variants[engine[8:]]))
+            runs[engine] = run_engine(backend, "speculative", req.with_drafting(**variants[engine[8:]]))
         else:
             runs[engine] = run_hf(backend, req, engine == "hf_assisted", counter)
     b, s = runs["baseline"], runs["speculative"]
@@ -378,16 +379,18 @@ def main(argv=None) -> int:
     else:
         log.info("preset %s has no draft model: HF assisted generation has nothing to draft with (n/a)", args.preset)
     # with --draft-vocab the warm-up also builds the pruned head (and, once per machine, the token ranking)
-    warm = Request(prompt="Hello", max_new_tokens=8, method=method, k=args.k, draft_vocab=args.draft_vocab)
+    warm = Request(prompt="Hello", max_new_tokens=8, drafting=Drafting(method=method, k=args.k,
+                                                                       draft_vocab=args.draft_vocab))
     run_engine(backend, "baseline", warm)  # first calls pay one-off costs; also measures the target's step
     run_engine(backend, "speculative", warm)
     for v in variants.values():  # e.g. a pruned draft head is built on its first use
-        run_engine(backend, "speculative", dataclasses.replace(warm, **v))
+        run_engine(backend, "speculative", warm.with_drafting(**v))
 
     # greedy whatever temperature the suite gives (Request's default sampling), so outputs can be compared
+    drafting = Drafting(method=method, k=args.k, dynamic_k=not args.fixed_k, draft_confidence=args.confidence,
+                        per_token=not args.no_per_token, draft_vocab=args.draft_vocab)
     requests = [Request(prompt=item.prompt, earlier_turns=item.earlier_turns, max_new_tokens=args.max_new_tokens,
-                        method=method, k=args.k, dynamic_k=not args.fixed_k, draft_confidence=args.confidence,
-                        per_token=not args.no_per_token, draft_vocab=args.draft_vocab) for _, item in plan]
+                        drafting=drafting) for _, item in plan]
     reps: list[list[dict]] = [[] for _ in plan]
     interrupted = False
     try:

@@ -126,9 +126,9 @@ class Ours:
     DraftStop from the modelled step costs. With `known`, verify(m) is the measured curve from the start."""
 
     def __init__(self, curve: dict[int, float], known: bool):
-        req = build_request("-", method=PRESETS[DEFAULT_PRESET].method)
-        self.policy = SpecPolicy(PolicyConfig.of(req), target_step_ms=curve[1], verify_ms=dict(curve) if known else {})
-        self.lookup = NgramProposer(req.hybrid_min_match, max(req.ngram_max, req.hybrid_min_match))  # as the backend
+        d = build_request("-", method=PRESETS[DEFAULT_PRESET].method).drafting
+        self.policy = SpecPolicy(PolicyConfig.of(d), target_step_ms=curve[1], verify_ms=dict(curve) if known else {})
+        self.lookup = NgramProposer(d.hybrid_min_match, max(d.ngram_max, d.hybrid_min_match))  # as the backend
 
     def __call__(self, trace: Trace, i: int, budget: int) -> tuple[list[int], str]:
         """The drafts of the step after output[:i], and who drafted them, as HybridProposer.propose would."""

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol, runtime_checkable
 
+from engine.drafting import Drafting
 from engine.events import Event
 from engine.limits import MAX_K, check_range
 from engine.request import Request
@@ -36,8 +37,6 @@ def extra_engine(i: int) -> str:
     return f"speculative-{i + 2}"
 
 
-# Settings of a Request that only the drafting side reads; a backend without per-request drafting ignores them.
-DRAFTING_SETTINGS = ("method", "k", "dynamic_k", "fallback", "draft_confidence", "draft_vocab")
 # The drafts per step (K) any backend may be asked for: engine.limits' range, what the page offers before a backend is
 # loaded; each backend's Capabilities.k_range lies within it.
 K_RANGE = (1, MAX_K)
@@ -76,20 +75,6 @@ class Capabilities:
         if k is not None:
             low, high = self.k_range
             check_range("K", k, low, high, f"this backend drafts {low} to {high} tokens per step")
-
-
-@dataclass(frozen=True)
-class Drafting:
-    """How a server's speculative engine drafts: what Backend.drafting() reports and reconfigure() restarts it with.
-    `method` is one of Capabilities.methods, `k` the drafts per step (None: the server's default), `draft` a draft
-    model's path for the methods that load one (None: the one the backend was started with), `options` the backend's
-    own further settings as (name, value) pairs (vLLM's prompt_lookup_min, llama.cpp's n_min), kept by a sweep that
-    restores them."""
-
-    method: str
-    k: int | None
-    draft: str | None = None
-    options: tuple[tuple[str, object], ...] = ()
 
 
 @runtime_checkable

@@ -3,39 +3,23 @@ speculative engine, on the local backend and on vLLM servers."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from engine.limits import DYNAMIC_K_MAX, MAX_K, MAX_NEW_TOKENS, SettingsError, check_range
-from engine.methods import PROPOSERS, needs_draft
+from engine.drafting import Drafting
+from engine.limits import DYNAMIC_K_MAX, MAX_NEW_TOKENS, SettingsError, check_range
+from engine.methods import needs_draft
 from engine.sampling_params import SamplingParams
-
-# hybrid drafting looks the text up when at least this many tokens repeat verbatim, as prompt-lookup decoding's
-# default n-gram size: one or two tokens ("the", ", ") recur everywhere and would overrule a better draft model
-HYBRID_MIN_MATCH = 3
-# FR-Spec's smallest pruned draft vocabulary: below it even common text falls outside the kept tokens
-MIN_DRAFT_VOCAB = 1024
 
 
 @dataclass(frozen=True)
 class Request:
-    """Everything a run needs besides the models. The same request drives both engines."""
+    """Everything a run needs besides the models. The same request drives both engines; the baseline reads no
+    `drafting`."""
 
     prompt: str
     max_new_tokens: int = 128
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    method: str = "draft"  # a key of engine.methods.PROPOSERS: "draft", "ngram", "hybrid", ...
-    k: int = 4
-    dynamic_k: bool = False
-    k_max: int = DYNAMIC_K_MAX  # dynamic K's ceiling
-    fallback: bool = False
-    draft_confidence: float = 0.0  # stop drafting after a token the draft itself gives less than this (0 = off)
-    per_token: bool = True  # with dynamic K, a draft model stops by policy.DraftStop (False: K from the i.i.d. model)
-    verify_curve: bool = True  # DraftStop reads each length's measured verify cost (False: linear in length)
-    token_tree: bool = True  # greedy, local: a short pass's free rows verify the draft's alternatives (engine.exact.tree)
-    ngram_min: int = 1
-    ngram_max: int = 4
-    hybrid_min_match: int = HYBRID_MIN_MATCH  # hybrid: the shortest n-gram match that is trusted over the draft model
-    draft_vocab: int = 0  # FR-Spec: the draft model drafts among its N most frequent tokens only (0 = all of them)
+    drafting: Drafting = field(default_factory=Drafting)
     stop_strings: tuple[str, ...] = ()
     chat: bool = True
     earlier_turns: tuple[tuple[str, str], ...] = ()  # (role, content) of a multi-turn chat before this prompt
@@ -44,18 +28,12 @@ class Request:
         if not self.prompt.strip():
             raise SettingsError("the prompt is empty: type a prompt or pick an example")
         check_range("max new tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS)
-        if self.method not in PROPOSERS:
-            raise SettingsError(f"method must be one of {', '.join(PROPOSERS)}, got {self.method!r}")
-        check_range("K", self.k, 1, MAX_K)
-        if self.hybrid_min_match < 1:
-            raise SettingsError(f"the hybrid's n-gram match needs at least 1 token, got {self.hybrid_min_match}")
-        if not 0.0 <= self.draft_confidence < 1.0:
-            raise SettingsError(f"draft confidence must be in [0, 1), got {self.draft_confidence}")
-        if self.draft_vocab != 0 and self.draft_vocab < MIN_DRAFT_VOCAB:  # the backend checks the draft's size
-            raise SettingsError(f"the draft vocabulary (FR-Spec) must be 0 (the full vocabulary) or at least "
-                                f"{MIN_DRAFT_VOCAB} tokens, got {self.draft_vocab}")
-        check_range("dynamic K's ceiling", self.k_max, 1, MAX_K)
+        self.drafting.validate()
         self.sampling.validate()
+
+    def with_drafting(self, **changes) -> Request:
+        """This request with some drafting settings changed (a variant of an N-way run, a sweep's value)."""
+        return replace(self, drafting=replace(self.drafting, **changes))
 
 
 # --- one request builder --------------------------------------------------------------------------------------------
@@ -81,9 +59,11 @@ def build_request(prompt: str = "", *, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, te
         prompt=prompt or "", max_new_tokens=int(max_new_tokens),
         sampling=SamplingParams(float(temperature), int(top_k), float(top_p),
                                 None if seed in (None, "") else int(seed)),
-        method=method, k=int(k), dynamic_k=bool(dynamic_k), k_max=max(DYNAMIC_K_MAX, int(k)),
-        # the draft model's own confidence and vocabulary: meaningless to other proposers, not saved with their runs
-        draft_confidence=float(draft_confidence) if needs_draft(method) else 0.0,
-        draft_vocab=int(draft_vocab or 0) if needs_draft(method) else 0,
-        fallback=bool(fallback), stop_strings=tuple(s for s in stop_strings if s),
+        drafting=Drafting(
+            method=method, k=int(k), dynamic_k=bool(dynamic_k), k_max=max(DYNAMIC_K_MAX, int(k)),
+            fallback=bool(fallback),
+            # the draft model's own confidence and vocabulary: meaningless to other proposers, not saved with their runs
+            draft_confidence=float(draft_confidence) if needs_draft(method) else 0.0,
+            draft_vocab=int(draft_vocab or 0) if needs_draft(method) else 0),
+        stop_strings=tuple(s for s in stop_strings if s),
     )

@@ -12,6 +12,7 @@ import gradio as gr
 from engine.limits import MAX_UPLOAD_BYTES
 from engine.setup import setup
 from specconsole import tab_history, tab_run, tab_workbench
+from specconsole.run_layout import backend_view
 from specconsole.frames import quiet_frames
 from specconsole.history import History, HistoryError
 from specconsole.host import ModelHost
@@ -45,7 +46,7 @@ def build(host: ModelHost, history: History) -> gr.Blocks:
             stops asking."""
             settled = host.ready or host.error is not None
             line = f'<div class="status-line">{escape(host.status())}</div>'
-            return line, gr.Timer(active=not settled), *tab_run.backend_view(host)
+            return line, gr.Timer(active=not settled), *backend_view(host)
 
         timer.tick(model_status, outputs=[status, timer, *run.backend_outputs], show_progress="hidden",
                    show_progress_on=[status])

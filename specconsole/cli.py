@@ -35,6 +35,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def add_request_args(p: argparse.ArgumentParser, suite: bool = False) -> None:
     """The run's settings, with the defaults of engine.request (the page's controls start from the same)."""
     from engine import request as r
+    from engine.drafting import MIN_DRAFT_VOCAB
     from engine.methods import METHODS
 
     p.add_argument("--method", default=None, choices=METHODS, help="default: the preset's")
@@ -45,7 +46,7 @@ def add_request_args(p: argparse.ArgumentParser, suite: bool = False) -> None:
                    help="a draft model stops drafting below this confidence (0 = off)")
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help=f"FR-Spec: a draft model drafts among its N most frequent tokens only (0 = all; N >= "
-                        f"{r.MIN_DRAFT_VOCAB}); the output stays exact")
+                        f"{MIN_DRAFT_VOCAB}); the output stays exact")
     p.add_argument("--fallback", action=argparse.BooleanOptionalAction, default=r.DEFAULT_FALLBACK,
                    help="switch speculation off while it does not pay, for ever longer stretches (docs/policy.md)")
     p.add_argument("--max-new-tokens", type=int, default=r.SUITE_MAX_NEW_TOKENS if suite else r.DEFAULT_MAX_NEW_TOKENS)

@@ -129,7 +129,7 @@ class Comparison:
         # each engine's own request (the extras differ in their drafting settings only) and its name on screen
         self.requests = {"baseline": request, "speculative": request,
                          **{extra_engine(i): v.request for i, v in enumerate(extra)}}
-        self.labels = {"baseline": "baseline", "speculative": label or request.method,
+        self.labels = {"baseline": "baseline", "speculative": label or request.drafting.method,
                        **{extra_engine(i): v.label for i, v in enumerate(extra)}}
         # the backend's own engine behind each extra one, where it has them (vLLM: one server per config)
         self.servers = {extra_engine(i): v.server for i, v in enumerate(extra) if v.server}
@@ -194,9 +194,10 @@ class Comparison:
 
     def engine_rows(self) -> list[dict]:
         """Who takes part, for the history's engines table: name, label, method and drafting settings."""
-        methods = {"baseline": "none", "speculative": self.meta.get("method") or self.request.method,  # what ran
+        # what ran
+        methods = {"baseline": "none", "speculative": self.meta.get("method") or self.request.drafting.method,
                    **self.methods}
-        return [{"engine": e, "label": self.labels[e], "method": methods.get(e, self.requests[e].method),
+        return [{"engine": e, "label": self.labels[e], "method": methods.get(e, self.requests[e].drafting.method),
                  "settings": _settings(self.requests[e])} for e in self.engines]
 
     def _stream(self, engine: str, clock):
@@ -381,8 +382,8 @@ def run_meta(backend, request) -> dict:
     one the server was started with, whatever the form or the command line said."""
     meta = {k: v for k, v in backend.describe().items() if k in RUN_META}
     if "method" not in backend.ignored_settings(request):
-        meta["method"] = request.method
-        if request.method == "ngram":  # prompt lookup: no second model took part
+        meta["method"] = request.drafting.method
+        if request.drafting.method == "ngram":  # prompt lookup: no second model took part
             meta["draft_model"] = None
     return meta
 
@@ -390,7 +391,9 @@ def run_meta(backend, request) -> dict:
 def _settings(request) -> dict:
     d = asdict(request)
     d.pop("prompt")
-    sampling = d.pop("sampling")
-    d.update(sampling)
+    # saved flat, as one table of settings; a server's restart fields (draft, options) are not a run's
+    drafting = {k: v for k, v in d.pop("drafting").items() if k not in ("draft", "options")}
+    d = {"max_new_tokens": d.pop("max_new_tokens")} | drafting | d
+    d.update(d.pop("sampling"))
     d["stop_strings"] = list(d["stop_strings"])
     return d

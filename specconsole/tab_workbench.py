@@ -16,7 +16,7 @@ from specconsole.markup import md
 from specconsole.report import ab_chart, figures as suite_figures
 from specconsole.suite_job import SuiteJob, export_suite_files
 from specconsole.suites import load_file, suite_items, suite_names
-from specconsole.tab_run import RunSettings
+from specconsole.run_layout import RunSettings
 from specconsole.workbench import SWEEPS, ab_compare, advice_for, aggregate, check_plan, runs_frame
 
 PROGRESS_EVERY_S = 0.5

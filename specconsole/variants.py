@@ -1,7 +1,7 @@
 """Extra speculative configurations for an N-way comparison: the baseline, the main speculative engine and up to
 MAX_EXTRA more, each with its own drafting settings and a label ("n-gram", "draft K=4").
 
-A variant changes only the drafting settings of the main request (engine.backend.DRAFTING_SETTINGS): prompt,
+A variant changes only the drafting settings of the main request (engine.drafting.Drafting): prompt,
 sampling and max new tokens stay the same, so every engine answers the same question. The page offers PRESETS;
 `launch.py demo --compare draft,ngram:k=3` spells them on the command line (parse_compare). A backend whose
 speculative engines are servers with a fixed config (vLLM) serves its own variants instead (served()).
@@ -10,7 +10,7 @@ speculative engines are servers with a fixed config (vLLM) serves its own varian
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from engine.backend import MAX_EXTRA
 from engine.methods import PROPOSERS, digits, flag, needs_draft, parse_specs
@@ -65,11 +65,11 @@ PRESETS = {
 def variant(base: Request, label: str, **changes) -> Variant:
     """`base` with other drafting settings. The draft model's confidence and vocabulary mean nothing to n-gram
     drafting, so they are dropped there (as engine.request.build_request does)."""
-    req = replace(base, **changes)
-    if not needs_draft(req.method):
-        req = replace(req, draft_confidence=0.0, draft_vocab=0)
-    if req.dynamic_k:
-        req = replace(req, k_max=max(req.k_max, req.k))
+    req = base.with_drafting(**changes)
+    if not needs_draft(req.drafting.method):
+        req = req.with_drafting(draft_confidence=0.0, draft_vocab=0)
+    if req.drafting.dynamic_k:
+        req = req.with_drafting(k_max=max(req.drafting.k_max, req.drafting.k))
     return Variant(label, req)
 
 

@@ -35,7 +35,8 @@ from engine.analysis.stats import bootstrap_ci, ratio_ci
 from engine.vllm.config import METHODS as VLLM_METHODS
 from specconsole.advisor import Advice, ab_conclusion, advise
 from specconsole.history import History
-from engine.backend import ENGINES, K_RANGE, Drafting
+from engine.backend import ENGINES, K_RANGE
+from engine.drafting import Drafting
 from specconsole.runner import Comparison, run_meta as runner_meta
 from specconsole.suites import SuitePrompt
 
@@ -120,11 +121,12 @@ def request_for(base: Request, item: SuitePrompt, variable: str = "none", value:
     sampling = replace(base.sampling, temperature=item.temperature) if suite_temperature else base.sampling
     req = replace(base, prompt=item.prompt, earlier_turns=item.earlier_turns, sampling=sampling)
     if variable == "k":
-        return replace(req, dynamic_k=True, k=4) if value == "dynamic" else replace(req, dynamic_k=False, k=int(value))
+        k = {"dynamic_k": True, "k": 4} if value == "dynamic" else {"dynamic_k": False, "k": int(value)}
+        return req.with_drafting(**k)
     if variable == "temperature":
         return replace(req, sampling=replace(req.sampling, temperature=float(value)))
     if variable == "method" and value in METHODS:  # vLLM's methods live in its speculative server
-        return replace(req, method=value)
+        return req.with_drafting(method=value)
     if variable == "context" and value == "long":
         document = LONG_DOCUMENT.read_text()
         return replace(req, prompt=f"Background document:\n{document}\n\nTask: {item.prompt}")

@@ -17,10 +17,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from engine.drafting import Drafting
 from engine.events import StepRecord
 from engine.exact.optimize import prepare_draft, prepare_target
 from engine.setup import setup
 from engine.loading.weights import dequantized_dir
+from engine.request import Request
 
 setup()  # the process-wide settings launch.py makes: the tests run the engines as the console does (engine.setup)
 CPU = torch.device("cpu")
@@ -152,6 +154,11 @@ def free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+def hello_there(max_new_tokens: int, k: int) -> Request:
+    """The runner tests' request: a short prompt, the draft model drafting K tokens a step."""
+    return Request(prompt="hello there", max_new_tokens=max_new_tokens, drafting=Drafting(method="draft", k=k))
 
 
 def run_to_end(comp, on_poll: Callable[[], None] | None = None, start: bool = True):

@@ -5,7 +5,8 @@ from dataclasses import fields, replace
 
 import pytest
 
-from engine.backend import Backend, Capabilities, Drafting
+from engine.backend import Backend, Capabilities
+from engine.drafting import Drafting
 from engine.llamacpp.backend import LlamaCppBackend
 from engine.llamacpp.server import EngineConfig, LlamaCppError, parse_method
 from engine.exact.backend import LocalBackend
@@ -34,6 +35,21 @@ def test_each_backend_implements_each_member_with_the_protocol_signature(cls, me
 def test_capabilities_say_which_drafting_and_which_k():
     assert {"methods", "sweep_methods", "k_range"} <= {f.name for f in fields(Capabilities)}
     assert Capabilities(False, False, False, False).k_range == (1, MAX_K)  # engine.limits' unless a backend says less
+
+
+def test_one_drafting_type_crosses_the_seam():
+    """A request's drafting (the local engines) and a server's (drafting(), reconfigure()) are one type."""
+    hints = {name: inspect.signature(getattr(Backend, name)) for name in ("drafting", "reconfigure")}
+    assert hints["drafting"].return_annotation == "Drafting | None"
+    assert hints["reconfigure"].parameters["drafting"].annotation == "Drafting"
+    assert {f.name: f.type for f in fields(Request)}["drafting"] == "Drafting"
+    assert Request(prompt="x").with_drafting(k=7).drafting == Drafting(k=7)
+
+
+def test_the_local_backend_names_a_servers_drafting_fields_it_ignores(backend):
+    """The draft model is loaded with the local backend: a request's draft path and server options do not apply."""
+    req = Request(prompt="x").with_drafting(draft="/m/draft", options=(("n_min", 2),))
+    assert backend.ignored_settings(req) == ("draft", "options")
 
 
 def test_capabilities_and_isinstance(backend):
@@ -85,16 +101,16 @@ def test_each_backend_says_the_k_it_drafts():
 
 def test_a_request_for_a_k_the_backend_does_not_draft_is_refused(backend, monkeypatch):
     monkeypatch.setattr(backend, "capabilities", replace(backend.capabilities, k_range=(1, 8)))
-    backend.validate(Request(prompt="x", k=8))
+    backend.validate(Request(prompt="x", drafting=Drafting(k=8)))
     with pytest.raises(SettingsError, match="^K must be between 1 and 8, got 9: this backend drafts 1 to 8 tokens"):
-        backend.validate(Request(prompt="x", k=9))
+        backend.validate(Request(prompt="x", drafting=Drafting(k=9)))
 
 
 def test_a_server_is_not_restarted_with_a_k_it_does_not_draft():
     """The servers' K is their own (the request's is ignored): reconfigure() checks it, before stopping anything."""
     vllm = VLLMBackend("http://127.0.0.1:9", "http://127.0.0.1:9", "m")
     vllm.capabilities = replace(vllm.capabilities, k_range=(1, 8))
-    vllm.validate(Request(prompt="x", k=9))  # not applied: nothing to refuse
+    vllm.validate(Request(prompt="x", drafting=Drafting(k=9)))  # not applied: nothing to refuse
     with pytest.raises(SettingsError, match="K must be between 1 and 8, got 9"):
         vllm.reconfigure(Drafting("ngram", 9))
     llama = LlamaCppBackend({"baseline": "http://127.0.0.1:9", "speculative": "http://127.0.0.1:9"},

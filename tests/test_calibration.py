@@ -8,7 +8,7 @@ from tests.test_runner import _hog
 
 def test_costs_measured_beside_a_cpu_hog_are_kept_for_this_start_only_and_quiet_ones_are_stored(
         tiny_pair, tmp_path, monkeypatch):
-    from specconsole.tab_run import costs_markdown
+    from specconsole.run_layout import costs_markdown
 
     monkeypatch.setenv("SPECCONSOLE_CACHE", str(tmp_path))
     target, draft = tiny_pair

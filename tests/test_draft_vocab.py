@@ -14,6 +14,7 @@ from engine.exact.forward import forward, new_cache
 from engine.exact.decode import generate_speculative
 from engine.exact.optimize import prepare_draft
 from engine.exact.policy import PolicyConfig, SpecPolicy
+from engine.drafting import Drafting
 from engine.request import Request
 from engine.limits import SettingsError
 from engine.stops import StopConditions
@@ -117,7 +118,7 @@ def test_the_backend_builds_each_pruned_head_once(backend, small_corpus):
     """Request.draft_vocab drives the local backend: output identical, one pruned head per N, the target untouched."""
     head_before = backend.target.model.lm_head
     for method in ("draft", "hybrid"):
-        req = Request(prompt="Say hello.", max_new_tokens=24, method=method, k=4, draft_vocab=2048)
+        req = Request(prompt="Say hello.", max_new_tokens=24, drafting=Drafting(method=method, k=4, draft_vocab=2048))
         *_, b = backend.baseline(req)
         *_, s = backend.speculative(req)
         assert s.error is None and s.output_ids == b.output_ids
@@ -129,10 +130,11 @@ def test_the_backend_builds_each_pruned_head_once(backend, small_corpus):
 def test_draft_vocabulary_settings_are_checked(backend):
     with pytest.raises(SettingsError, match=r"draft vocabulary \(FR-Spec\) must be 0 \(the full vocabulary\) or at "
                                             r"least 1024 tokens, got 100"):
-        Request(prompt="x", draft_vocab=100).validate()
+        Request(prompt="x", drafting=Drafting(draft_vocab=100)).validate()
     with pytest.raises(SettingsError, match="got -1"):
-        Request(prompt="x", draft_vocab=-1).validate()
-    Request(prompt="x", draft_vocab=1024).validate()
+        Request(prompt="x", drafting=Drafting(draft_vocab=-1)).validate()
+    Request(prompt="x", drafting=Drafting(draft_vocab=1024)).validate()
     with pytest.raises(SettingsError, match=r"between 1024 and the draft's 49152 tokens, got 50000"):
-        backend.validate(Request(prompt="x", draft_vocab=50000))
-    backend.validate(Request(prompt="x", draft_vocab=50000, method="ngram"))  # no draft model: nothing to prune
+        backend.validate(Request(prompt="x", drafting=Drafting(draft_vocab=50000)))
+    backend.validate(Request(prompt="x", drafting=Drafting(draft_vocab=50000,
+                                                           method="ngram")))  # no draft model: nothing to prune

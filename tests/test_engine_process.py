@@ -14,6 +14,7 @@ import pytest
 from engine.backend import Backend
 from engine.events import StepRecord, TokenEvent
 from engine.limits import SettingsError
+from engine.exact import calibration
 from engine.exact.models import ModelError
 from engine.process.client import EngineProcess, EngineProcessError
 from engine.request import build_request
@@ -50,10 +51,13 @@ def test_the_engines_passes_run_in_the_engine_process(engines, tmp_path):
 
 
 @pytest.mark.parametrize("method", ["hybrid", "ngram"])
-def test_the_engine_process_gives_what_the_backend_gives_in_process(engines, backend, method):
+def test_the_engine_process_gives_what_the_backend_gives_in_process(engines, backend, method, monkeypatch):
     """The same request through the engine process and through the same backend in this process: the same tokens,
-    the same passes, the same drafting plan (the policy reads its calibrated costs, not timings; n-gram drafts at
-    dynamic K too, whose drafted tokens cost nothing)."""
+    the same passes, the same drafting plan from the same costs (the policy reads its calibrated costs, not timings;
+    n-gram drafts at dynamic K too, whose drafted tokens cost nothing). Tiny models are no preset's, so each backend
+    measures its own costs: this one is given the engine process's, or a pass measured a millisecond apart would
+    plan differently."""
+    monkeypatch.setattr(backend, "costs", calibration.from_dict(engines.calibration()))
     req = request(max_new=64, method=method)
     there = run_to_end(Comparison(engines, req, "fair", None, {})).results
     here = run_to_end(Comparison(backend, req, "fair", None, {})).results

@@ -8,6 +8,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from engine.exact.backend import LocalBackend
+from engine.drafting import Drafting
 from engine.request import Request
 from engine.exact.models import LoadedModel, ModelError, check_pair, load, resolve
 from engine.limits import SettingsError
@@ -20,12 +21,12 @@ from tests.conftest import CPU
     "request_, message",
     [
         (Request(prompt="   "), "prompt is empty"),
-        (Request(prompt="hi", k=0), "K must be between"),
-        (Request(prompt="hi", k=99), "K must be between"),
+        (Request(prompt="hi", drafting=Drafting(k=0)), "K must be between"),
+        (Request(prompt="hi", drafting=Drafting(k=99)), "K must be between"),
         (Request(prompt="hi", max_new_tokens=0), "max new tokens"),
         (Request(prompt="hi", sampling=SamplingParams(temperature=-1)), "temperature"),
         (Request(prompt="hi", sampling=SamplingParams(temperature=1, top_p=0)), "top-p"),
-        (Request(prompt="hi", method="magic"), "method"),
+        (Request(prompt="hi", drafting=Drafting(method="magic")), "method"),
         (Request(prompt="word " * 400), "exceeds the model's context"),
     ],
 )
@@ -38,7 +39,7 @@ def test_bad_requests(backend, request_, message):
 def test_no_draft_loaded(tiny_pair, smol_tokenizer, method):
     backend = LocalBackend(LoadedModel("tiny", tiny_pair[0], smol_tokenizer, CPU))
     with pytest.raises(SettingsError, match="no draft model"):
-        list(backend.speculative(Request(prompt="hi", method=method)))
+        list(backend.speculative(Request(prompt="hi", drafting=Drafting(method=method))))
 
 
 def test_tokenizer_mismatch_is_refused(tiny_pair, smol_tokenizer):

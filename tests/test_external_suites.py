@@ -174,8 +174,10 @@ def test_per_prompt_takes_the_median_of_within_repeat_ratios():
 def test_variants_are_parsed_and_tabled_side_by_side():
     assert speed.parse_variant("hybrid,draft_vocab=32768,dynamic_k=false") == {
         "method": "hybrid", "draft_vocab": 32768, "dynamic_k": False}
-    with pytest.raises(SystemExit, match="not a setting"):
+    with pytest.raises(SystemExit, match="not a drafting setting"):
         speed.parse_variant("hybrid,vocab=3")
+    with pytest.raises(SystemExit, match="not a drafting setting"):
+        speed.parse_variant("hybrid,draft=/m/draft")  # a server's restart field, not a run's
     assert speed.engine_order(1, True, {"hybrid": {}}) == ["hf_assisted", "hf", "variant:hybrid", "speculative",
                                                            "baseline"]
     he, math_ = {"suite": "humaneval", "category": "humaneval"}, {"suite": "mtbench", "category": "mtbench-math"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from dataclasses import astuple
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import gradio as gr
@@ -22,6 +23,8 @@ from engine.vllm.backend import VLLMBackend
 from specconsole import backends
 from specconsole.history import History
 from specconsole.host import ModelHost
+from specconsole.run_form import RunForm
+from specconsole.run_queue import RunQueue
 from specconsole.suite_job import SuiteJob
 from specconsole.suites import SuitePrompt, load_file
 from specconsole.workbench import run_suite
@@ -229,17 +232,17 @@ def test_run_tab_refuses_a_run_beyond_the_waiting_limit(backend, tmp_path):
     run = page_fn(host, history, "run")
     # the handler must be reachable by one more run than may wait, or gradio queues the extra ones unseen
     assert run.concurrency_limit >= limits.MAX_QUEUED_RUNS + 2
-    args = dict(prompt="hello", category="code", method="draft", k=2, dynamic_k=False, confidence=0.0,
-                draft_vocab=0, fallback=False, temperature=0.0, top_p=1.0, max_new=4, seed=0, mode="fair",
-                show_rejected=False, compare_with=[])
+    form = astuple(RunForm(prompt="hello", category="code", method="draft", k=2, dynamic_k=False, confidence=0.0,
+                           draft_vocab=0, fallback=False, temperature=0.0, top_p=1.0, max_new=4, seed=0, mode="fair",
+                           show_rejected=False, compare_with=[]))  # as the page sends them
     waiting = []
     host.lock.acquire()  # a run in progress
     try:
         for i in range(limits.MAX_QUEUED_RUNS):
-            gen = run.fn(**args, request=gr.Request(session_hash=f"s{i}"))
+            gen = run.fn(gr.Request(session_hash=f"s{i}"), *form)
             assert "Queued behind another run" in str(next(gen))
             waiting.append(gen)
-        extra = run.fn(**args, request=gr.Request(session_hash="one-too-many"))
+        extra = run.fn(gr.Request(session_hash="one-too-many"), *form)
         refusal = str(next(extra))
         assert f"{limits.MAX_QUEUED_RUNS} runs are already waiting" in refusal
         with pytest.raises(StopIteration):
@@ -249,6 +252,22 @@ def test_run_tab_refuses_a_run_beyond_the_waiting_limit(backend, tmp_path):
             gen.close()
         host.lock.release()
     assert history.runs() == []
+
+
+def test_the_run_queue_frees_the_engines_when_a_run_cannot_start():
+    """A turn taken at once yields nothing; a comparison that fails to start still gives the engines back."""
+    lock = threading.Lock()
+    queue = RunQueue(lock)
+    with pytest.raises(StopIteration) as taken:
+        next(queue.take_turn("s", "run1", ["baseline", "speculative"]))
+    assert taken.value.value is True and lock.locked()
+
+    def broken():
+        raise SettingsError("cannot start")
+    with pytest.raises(SettingsError):
+        with queue.run("s", broken):
+            pass
+    assert not lock.locked() and queue.running == {}
 
 
 # --- launch.py suite: the same values, exit code 2 ----------------------------------------------------------------

@@ -18,6 +18,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from engine.drafting import Drafting
+
 from engine.request import Request
 from engine.comparison import ComparisonFigures
 from engine.exact.proposers import Proposal
@@ -34,7 +36,7 @@ from specconsole.run_owner import process_start
 from specconsole.render import tokens_html
 from specconsole.runner import Comparison
 from tests.big_history import big_history_copy
-from tests.conftest import db_rows, run_to_end
+from tests.conftest import db_rows, hello_there, run_to_end
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,8 +57,7 @@ def test_events_are_saved_while_the_run_goes_on(backend, tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "SAVE_EVERY_S", 0.0)
     db = tmp_path / "h.db"
     history = History(db)
-    comp = Comparison(backend, Request(prompt="hello there", max_new_tokens=120, method="draft", k=3), "fair",
-                      history, {"category": "chat"})
+    comp = Comparison(backend, hello_there(120, k=3), "fair", history, {"category": "chat"})
     locked, partial = [], []
     save_events = history.save_events
 
@@ -186,7 +187,8 @@ def test_full_database_mid_run_keeps_the_run_on_screen_and_the_history(backend, 
     meta = {"category": "code", "backend": "local", "method": "draft"}
 
     def comparison(max_new):
-        return Comparison(backend, Request(prompt="def add(a, b):", max_new_tokens=max_new, method="draft", k=3),
+        return Comparison(backend, Request(prompt="def add(a, b):", max_new_tokens=max_new,
+                                           drafting=Drafting(method="draft", k=3)),
                       "fair", history, meta)
 
     first = comparison(24)

@@ -64,6 +64,7 @@ def test_the_int4_targets_weights_are_in_huge_pages_and_greedy_stays_exact(tmp_p
     from engine.exact.backend import LocalBackend
     from engine.metrics import compare
     from engine.presets import custom_preset
+    from engine.drafting import Drafting
     from engine.request import Request
     from tests.test_real_weights import PROMPTS, run
 
@@ -76,7 +77,7 @@ def test_the_int4_targets_weights_are_in_huge_pages_and_greedy_stays_exact(tmp_p
         assert "hg" in huge_pages.mapping(target[0].data_ptr())["VmFlags"].split()
         draft = huge_pages.read_in_full(backend.draft.model)
         assert not any("hg" in huge_pages.mapping(t.data_ptr()).get("VmFlags", "").split() for t in draft)
-    req = Request(prompt=PROMPTS[0], max_new_tokens=24, method="draft", k=3)
+    req = Request(prompt=PROMPTS[0], max_new_tokens=24, drafting=Drafting(method="draft", k=3))
     assert compare(run(backend, req, "baseline"), run(backend, req, "speculative"), greedy=True).identical
 
 

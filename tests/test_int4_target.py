@@ -209,6 +209,7 @@ def test_an_int4_gguf_target_is_stored_mapped_and_greedy_exact(tmp_path, monkeyp
     from engine.exact.optimize import Int4Draft
     from engine.metrics import compare
     from engine.presets import custom_preset
+    from engine.drafting import Drafting
     from engine.request import Request
     from tests.test_real_weights import PROMPTS, run
 
@@ -229,7 +230,7 @@ def test_an_int4_gguf_target_is_stored_mapped_and_greedy_exact(tmp_path, monkeyp
     backend = LocalBackend.from_preset(custom_preset("smollm2-ngram", None, "smollm2-135m-instruct"), precision="int4")
     assert [m for m in backend.draft.model.modules() if isinstance(m, Int4Draft)]
     for prompt, method in zip(PROMPTS[:2], ("draft", "ngram")):
-        req = Request(prompt=prompt, max_new_tokens=40, method=method, k=4, dynamic_k=True)
+        req = Request(prompt=prompt, max_new_tokens=40, drafting=Drafting(method=method, k=4, dynamic_k=True))
         b, s = run(backend, req, "baseline"), run(backend, req, "speculative")
         c = compare(b, s, greedy=True)
         assert c.identical, f"first divergence at token {c.first_divergence}"

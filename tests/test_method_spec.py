@@ -5,6 +5,7 @@ import pytest
 
 from engine.llamacpp.server import EngineConfig, LlamaCppError, parse_method
 from engine.methods import digits, flag, nonempty, parse_spec, parse_specs
+from engine.drafting import Drafting
 from engine.request import Request
 from engine.limits import SettingsError
 from engine.vllm.config import parse_configs
@@ -38,9 +39,9 @@ def test_an_unknown_option_or_a_refused_value_names_the_option_and_the_entry(typ
 
 
 def test_each_caller_keeps_its_options_and_messages():
-    base = Request(prompt="x", k=5, dynamic_k=True)
-    assert [(v.request.k, v.request.dynamic_k) for v in parse_compare("draft:k=3:dynamic,ngram:dynamic:k=3", base)] \
-        == [(3, True), (3, False)]  # the later option wins
+    base = Request(prompt="x", drafting=Drafting(k=5, dynamic_k=True))
+    variants = parse_compare("draft:k=3:dynamic,ngram:dynamic:k=3", base)
+    assert [(v.request.drafting.k, v.request.drafting.dynamic_k) for v in variants] == [(3, True), (3, False)]
     with pytest.raises(SettingsError, match=r"^--compare: unknown option 'draft=/m' in 'draft:draft=/m' \(use k=N or"):
         parse_compare("draft:draft=/m", base)
     with pytest.raises(SettingsError, match=r"^--compare: unknown method 'eagle' in 'eagle:k=2'; methods: draft, "):

@@ -11,6 +11,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from engine.drafting import Drafting
+
 from engine.request import Request
 from specconsole import backends, charts
 from specconsole.export import export_all, export_csv
@@ -30,8 +32,8 @@ def four_way(base: Request) -> list[Variant]:
 
 @pytest.mark.parametrize("mode", ["fair", "race"])
 def test_every_speculative_engine_is_identical_to_the_baseline_when_greedy(backend, mode):
-    base = Request(prompt="def fib(n): return fib(n - 1) + fib(n - 2)", max_new_tokens=24, method="draft", k=3,
-                   dynamic_k=True)
+    base = Request(prompt="def fib(n): return fib(n - 1) + fib(n - 2)", max_new_tokens=24,
+                   drafting=Drafting(method="draft", k=3, dynamic_k=True))
     comp = run_to_end(Comparison(backend, base, mode, None, {}, extra=four_way(base)))
     assert comp.engines == ("baseline", "speculative", "speculative-2", "speculative-3", "speculative-4")
     results = comp.results
@@ -51,12 +53,12 @@ def test_every_speculative_engine_is_identical_to_the_baseline_when_greedy(backe
 
 def test_a_diverging_extra_engine_is_reported(backend, monkeypatch):
     """The comparison of each engine is its own: a broken extra engine diverges, the others stay identical."""
-    base = Request(prompt="hello there", max_new_tokens=12, method="draft", k=2)
+    base = Request(prompt="hello there", max_new_tokens=12, drafting=Drafting(method="draft", k=2))
     original = backend.speculative
 
     def broken(req, cancel=None, clock=None):
         for event in original(req, cancel, clock):
-            if req.method == "ngram" and hasattr(event, "output_ids") and event.output_ids:
+            if req.drafting.method == "ngram" and hasattr(event, "output_ids") and event.output_ids:
                 event = replace(event, output_ids=[event.output_ids[0] + 1, *event.output_ids[1:]])
             yield event
 
@@ -68,7 +70,7 @@ def test_a_diverging_extra_engine_is_reported(backend, monkeypatch):
 
 
 def test_fair_mode_takes_turns_across_all_engines(backend):
-    base = Request(prompt="hello there", max_new_tokens=30, method="draft", k=2, dynamic_k=False)
+    base = Request(prompt="hello there", max_new_tokens=30, drafting=Drafting(method="draft", k=2, dynamic_k=False))
     extra = [variant(base, "n-gram", method="ngram"), variant(base, "draft K=3", k=3)]
     comp = Comparison(backend, base, "fair", None, {}, extra=extra)
     log = PassLog(backend, {id(req): e for e, req in comp.requests.items() if e != "baseline"})
@@ -90,7 +92,7 @@ def test_fair_mode_takes_turns_across_all_engines(backend):
 
 def test_three_engine_run_round_trips_through_the_history(backend, tmp_path):
     history = History(tmp_path / "h.db")
-    base = Request(prompt="=cmd <b>bold</b>", max_new_tokens=16, method="draft", k=3)
+    base = Request(prompt="=cmd <b>bold</b>", max_new_tokens=16, drafting=Drafting(method="draft", k=3))
     extra = [variant(base, "n-gram", method="ngram")]
     meta = {"category": "code", "backend": "local", "method": "draft"}
     comp = run_to_end(Comparison(backend, base, "fair", history, meta, extra=extra, label="draft dynamic K"))
@@ -130,7 +132,7 @@ def test_three_engine_run_round_trips_through_the_history(backend, tmp_path):
 def test_interrupted_nway_run_keeps_each_engines_streamed_output(backend, tmp_path):
     path = tmp_path / "h.db"
     history = History(path)
-    base = Request(prompt="hello", max_new_tokens=10, method="draft", k=2)
+    base = Request(prompt="hello", max_new_tokens=10, drafting=Drafting(method="draft", k=2))
     comp = run_to_end(Comparison(backend, base, "fair", None, {}, extra=[variant(base, "n-gram", method="ngram")]))
     # the same run as a process killed after its last progress save would leave it
     from specconsole.history import EventLog
@@ -163,7 +165,7 @@ def test_a_database_of_the_old_schema_opens_with_its_runs_intact(backend, tmp_pa
     old = _old_history_module()
     path = tmp_path / "old.db"
     old_history = old.History(path)
-    req = Request(prompt="hello there", max_new_tokens=12, method="draft", k=2)
+    req = Request(prompt="hello there", max_new_tokens=12, drafting=Drafting(method="draft", k=2))
     comp = Comparison(backend, req, "fair", None, {})
     run_to_end(comp)
     run_id = old_history.start_run(mode="fair", prompt=req.prompt, method="draft", category="chat")
@@ -214,7 +216,7 @@ def sqlite_tables(path) -> set[str]:
 
 def test_csv_exports_have_every_engine(backend, tmp_path):
     history = History(tmp_path / "h.db")
-    base = Request(prompt="hi", max_new_tokens=8, method="draft", k=2)
+    base = Request(prompt="hi", max_new_tokens=8, drafting=Drafting(method="draft", k=2))
     comp = run_to_end(Comparison(backend, base, "fair", history, {"method": "draft"},
                                  extra=from_presets(base, ["n-gram", "draft K=4 fixed"])))
     runs_csv, tokens_csv = export_csv(history, tmp_path / "csv")
@@ -233,13 +235,14 @@ def test_csv_exports_have_every_engine(backend, tmp_path):
 
 
 def test_compare_specs_and_presets():
-    base = Request(prompt="x", method="draft", k=5, dynamic_k=True, draft_confidence=0.4, draft_vocab=4096)
+    base = Request(prompt="x", drafting=Drafting(method="draft", k=5, dynamic_k=True, draft_confidence=0.4,
+                                                 draft_vocab=4096))
     v = parse_compare("draft, ngram,draft:k=4,hybrid:dynamic", base)
     assert [x.label for x in v] == ["draft", "n-gram", "draft K=4", "hybrid dynamic K"]
-    assert [(x.request.method, x.request.k, x.request.dynamic_k) for x in v] == [
+    assert [(x.request.drafting.method, x.request.drafting.k, x.request.drafting.dynamic_k) for x in v] == [
         ("draft", 5, True), ("ngram", 5, True), ("draft", 4, False), ("hybrid", 5, True)]
-    assert v[1].request.draft_confidence == 0.0 and v[2].request.draft_confidence == 0.4
-    assert [x.request.draft_vocab for x in v] == [4096, 0, 4096, 4096]  # n-gram drafting has no draft vocabulary
+    assert v[1].request.drafting.draft_confidence == 0.0 and v[2].request.drafting.draft_confidence == 0.4
+    assert [x.request.drafting.draft_vocab for x in v] == [4096, 0, 4096, 4096]  # n-gram drafting has no vocabulary
     assert all(x.request.prompt == "x" for x in v)
     from engine.limits import SettingsError
 
@@ -283,7 +286,7 @@ def test_the_page_has_hidden_panels_for_the_extra_engines(tmp_path):
 def test_engines_table_escapes_labels_and_says_how_they_ran(backend):
     from specconsole.render import engines_html
 
-    base = Request(prompt="hi", max_new_tokens=6, method="draft", k=2)
+    base = Request(prompt="hi", max_new_tokens=6, drafting=Drafting(method="draft", k=2))
     comp = run_to_end(Comparison(backend, base, "race", None, {}, extra=[variant(base, "<b>n</b>", method="ngram")]))
     html = engines_html(comp.results, comp.labels, comp.comparisons(), "race")
     assert "&lt;b&gt;n&lt;/b&gt;" in html and "<b>n" not in html
@@ -295,7 +298,7 @@ def test_history_tab_shows_the_extra_engines_of_a_saved_run(backend, tmp_path):
     from specconsole.tab_history import view
 
     history = History(tmp_path / "h.db")
-    base = Request(prompt="hello", max_new_tokens=8, method="draft", k=2)
+    base = Request(prompt="hello", max_new_tokens=8, drafting=Drafting(method="draft", k=2))
     comp = run_to_end(Comparison(backend, base, "fair", history, {"method": "draft"},
                                  extra=[variant(base, "n-gram", method="ngram")]))
     row = history.run(comp.run_id)

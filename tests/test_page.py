@@ -23,15 +23,16 @@ def test_one_set_of_request_defaults():
         "", max_new_tokens=r.SUITE_MAX_NEW_TOKENS)
     req = r.build_request("p", max_new_tokens=12.0, seed="", k=20.0, method="ngram", draft_confidence=0.5,
                           draft_vocab=4096.0)
-    assert (req.max_new_tokens, req.sampling.seed, req.k, req.k_max, req.draft_confidence, req.draft_vocab) == (
+    d = req.drafting
+    assert (req.max_new_tokens, req.sampling.seed, d.k, d.k_max, d.draft_confidence, d.draft_vocab) == (
         12, None, 20, 20, 0.0, 0)
-    assert r.build_request("p", method="hybrid", draft_vocab=4096.0).draft_vocab == 4096
-    assert r.build_request("p", draft_vocab=None).draft_vocab == 0  # an emptied number box
+    assert r.build_request("p", method="hybrid", draft_vocab=4096.0).drafting.draft_vocab == 4096
+    assert r.build_request("p", draft_vocab=None).drafting.draft_vocab == 0  # an emptied number box
 
 
 def test_page_greys_out_what_the_backend_does_not_apply(backend):
     from specconsole.host import ModelHost
-    from specconsole.tab_run import DRAFTING_CONTROLS, backend_view
+    from specconsole.run_layout import DRAFTING_CONTROLS, backend_view
     from tests.test_workbench import RestartableServer, ServerLike
 
     host = ModelHost("x", lambda p: None)
@@ -65,7 +66,7 @@ def test_the_k_sliders_span_the_k_the_backend_drafts(backend, tmp_path):
     from engine.limits import MAX_K
     from specconsole.app import build
     from specconsole.host import ModelHost
-    from specconsole.tab_run import DRAFTING_CONTROLS, backend_view
+    from specconsole.run_layout import DRAFTING_CONTROLS, backend_view
     from tests.test_workbench import RestartableServer
 
     def sliders(app) -> list[tuple[int, int]]:  # the Run tab's K, the server's K
@@ -144,7 +145,7 @@ def test_a_stored_cost_model_is_read_as_numbers_and_its_text_escaped(tmp_path, m
     import json
 
     from engine.exact import calibration
-    from specconsole.tab_run import costs_markdown
+    from specconsole.run_layout import costs_markdown
 
     monkeypatch.setenv("SPECCONSOLE_CACHE", str(tmp_path))
     models = {"target_model": "t", "draft_model": None}

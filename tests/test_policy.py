@@ -194,7 +194,7 @@ def test_config_is_fixed_and_the_running_k_is_state():
     for _ in range(8):
         policy.observe(spec_step(policy.current_k, 0))
     assert policy.current_k == 1 and config.k == 8  # the user's K is untouched
-    assert Request(prompt="x").per_token == PolicyConfig().per_token  # one default for both
+    assert Request(prompt="x").drafting.per_token == PolicyConfig().per_token  # one default for both
 
 
 def test_draft_cap_follows_where_recent_drafts_were_rejected():

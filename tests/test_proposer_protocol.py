@@ -9,6 +9,7 @@ import torch
 
 from engine.methods import METHODS, PROPOSERS, Method, needs_draft
 from engine.exact.proposers import Draft, Proposal, Proposer
+from engine.drafting import Drafting
 from engine.request import Request
 from engine.limits import SettingsError
 from specconsole.variants import parse_compare
@@ -42,7 +43,7 @@ def test_each_registered_method_builds_a_proposer_saved_under_its_name(name, tin
     method = PROPOSERS[name]
     lent = Draft(draft, target.config.vocab_size) if method.needs_draft else None  # a lookup is built without one
     assert list(inspect.signature(method.proposer_class().build).parameters) == ["req", "draft"]
-    proposer = method.build(Request(prompt="x", method=name), lent)
+    proposer = method.build(Request(prompt="x", drafting=Drafting(method=name)), lent)
     assert isinstance(proposer, Proposer) and proposer.method == name
     proposer.generator = torch.Generator()
     proposal = proposer.propose([5, 6, 7, 5, 6], 2)
@@ -67,10 +68,11 @@ def test_a_new_method_is_a_class_and_its_registry_line(backend, monkeypatch):
     """Registered, a proposer is accepted by Request validation, `--compare` and the local backend, with no draft
     model lent to it, and its greedy output is the baseline's."""
     with pytest.raises(SettingsError, match="method must be one of draft, ngram, hybrid, got 'echo'"):
-        Request(prompt="x", method="echo").validate()
+        Request(prompt="x", drafting=Drafting(method="echo")).validate()
     monkeypatch.setitem(PROPOSERS, "echo", Method("echo", needs_draft=False, proposer=f"{__name__}:Echo"))
-    [v] = parse_compare("echo:k=2", Request(prompt="Name a colour.", max_new_tokens=12, draft_confidence=0.4))
-    assert v.label == "echo K=2" and v.request.draft_confidence == 0.0 and not needs_draft("echo")
+    [v] = parse_compare("echo:k=2", Request(prompt="Name a colour.", max_new_tokens=12,
+                                            drafting=Drafting(draft_confidence=0.4)))
+    assert v.label == "echo K=2" and v.request.drafting.draft_confidence == 0.0 and not needs_draft("echo")
     spec = list(backend.speculative(v.request))[-1]
     base = list(backend.baseline(v.request))[-1]
     assert spec.error is None and spec.method == "echo" and {s.drafter for s in spec.steps if s.drafted} == {"echo"}
@@ -82,5 +84,5 @@ def test_a_method_that_needs_the_draft_model_is_refused_without_one(backend):
 
     alone = LocalBackend(backend.target, None)
     with pytest.raises(SettingsError, match="no draft model, which hybrid drafting needs"):
-        alone.validate(Request(prompt="x", method="hybrid"))
-    alone.validate(Request(prompt="x", method="ngram"))
+        alone.validate(Request(prompt="x", drafting=Drafting(method="hybrid")))
+    alone.validate(Request(prompt="x", drafting=Drafting(method="ngram")))

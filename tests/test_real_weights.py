@@ -2,13 +2,13 @@
 
 import shutil
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 
 import pytest
 import torch
 from safetensors import safe_open
 
 from engine.exact.backend import LocalBackend
+from engine.drafting import Drafting
 from engine.request import Request
 from engine.events import RunResult, TokenKind
 from engine.metrics import compare
@@ -104,14 +104,14 @@ def test_weights_held_once(smol, smol_dir):
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_ngram_greedy_identical(smol, prompt):
-    req = Request(prompt=prompt, max_new_tokens=48, method="ngram", k=4, dynamic_k=True)
+    req = Request(prompt=prompt, max_new_tokens=48, drafting=Drafting(method="ngram", k=4, dynamic_k=True))
     b, s = run(smol, req, "baseline"), run(smol, req, "speculative")
     c = compare(b, s, greedy=True)
     assert c.identical, f"first divergence at token {c.first_divergence}"
 
 
 def test_ngram_accepts_on_copying_prompt(smol):
-    req = Request(prompt=PROMPTS[1], max_new_tokens=48, method="ngram", k=4)
+    req = Request(prompt=PROMPTS[1], max_new_tokens=48, drafting=Drafting(method="ngram", k=4))
     s = run(smol, req, "speculative")
     assert s.metrics.accepted > 5
     assert s.metrics.target_passes < s.metrics.output_tokens
@@ -119,7 +119,8 @@ def test_ngram_accepts_on_copying_prompt(smol):
 
 @pytest.mark.parametrize("dynamic_k", [False, True])
 def test_int8_self_draft_greedy_identical(smol_self_draft, dynamic_k):
-    req = Request(prompt=PROMPTS[0], max_new_tokens=40, method="draft", k=4, dynamic_k=dynamic_k, fallback=dynamic_k)
+    req = Request(prompt=PROMPTS[0], max_new_tokens=40, drafting=Drafting(method="draft", k=4, dynamic_k=dynamic_k,
+                                                                          fallback=dynamic_k))
     b, s = run(smol_self_draft, req, "baseline"), run(smol_self_draft, req, "speculative")
     assert s.output_ids == b.output_ids
     assert s.metrics.acceptance_rate > 0.5  # an int8 copy agrees with its float32 original most of the time
@@ -134,9 +135,9 @@ def test_token_tree_greedy_identical(smol_self_draft):
     pass: the sample must."""
     passes = {"tree": 0, "chain": 0}
     for prompt in PROMPTS[::2]:
-        req = Request(prompt=prompt, max_new_tokens=40, method="draft", k=1)
+        req = Request(prompt=prompt, max_new_tokens=40, drafting=Drafting(method="draft", k=1))
         b, tree = run(smol_self_draft, req, "baseline"), run(smol_self_draft, req, "speculative")
-        chain = run(smol_self_draft, replace(req, token_tree=False), "speculative")
+        chain = run(smol_self_draft, req.with_drafting(token_tree=False), "speculative")
         assert tree.output_ids == chain.output_ids == b.output_ids, prompt
         assert tree.metrics.tree_accepted >= 1 and chain.metrics.tree_accepted == 0, prompt
         passes["tree"] += tree.metrics.target_passes
@@ -145,8 +146,8 @@ def test_token_tree_greedy_identical(smol_self_draft):
 
 
 def test_sampled_run_reproducible_with_seed(smol_self_draft):
-    req = Request(prompt=PROMPTS[2], max_new_tokens=24, method="draft", k=3,
-                  sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=7))
+    req = Request(prompt=PROMPTS[2], max_new_tokens=24, sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=7),
+                  drafting=Drafting(method="draft", k=3))
     first, again = run(smol_self_draft, req, "speculative"), run(smol_self_draft, req, "speculative")
     assert first.output_ids == again.output_ids
     accepted = [t for t in first.output_tokens if t.kind == TokenKind.ACCEPTED]
@@ -156,7 +157,7 @@ def test_sampled_run_reproducible_with_seed(smol_self_draft):
 @pytest.mark.parametrize("dynamic_k", [False, True])
 def test_hybrid_greedy_identical(smol_self_draft, dynamic_k):
     """The JSON prompt is copied (3-token matches: prompt lookup drafts) around text the draft model drafts."""
-    req = Request(prompt=PROMPTS[1], max_new_tokens=48, method="hybrid", k=4, dynamic_k=dynamic_k)
+    req = Request(prompt=PROMPTS[1], max_new_tokens=48, drafting=Drafting(method="hybrid", k=4, dynamic_k=dynamic_k))
     b, s = run(smol_self_draft, req, "baseline"), run(smol_self_draft, req, "speculative")
     assert s.output_ids == b.output_ids
     assert s.method == "hybrid" and {st.drafter for st in s.steps if st.drafted} == {"draft", "ngram"}
@@ -166,7 +167,8 @@ def test_hybrid_greedy_identical(smol_self_draft, dynamic_k):
 def test_pruned_draft_head_greedy_identical(smol_self_draft, method, prompt):
     """FR-Spec on real int8 weights: the draft keeps the 8192 tokens most frequent in the standard library's source
     (ranked once, then cached) and drafts only those; the output stays the baseline's."""
-    req = Request(prompt=prompt, max_new_tokens=40, method=method, k=4, dynamic_k=True, draft_vocab=8192)
+    req = Request(prompt=prompt, max_new_tokens=40, drafting=Drafting(method=method, k=4, dynamic_k=True,
+                                                                      draft_vocab=8192))
     b, s = run(smol_self_draft, req, "baseline"), run(smol_self_draft, req, "speculative")
     assert s.output_ids == b.output_ids
     kept = set(smol_self_draft.heads[8192].ids.tolist())

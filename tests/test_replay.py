@@ -9,6 +9,7 @@ import pytest
 
 from engine.events import RunResult, StepRecord, TokenEvent, TokenKind
 from engine.metrics import compare, run_metrics
+from engine.drafting import Drafting
 from engine.request import Request
 from specconsole.history import History
 from specconsole.replay import UnknownRun, payload, replay_html, write_replay
@@ -110,7 +111,7 @@ def real_run(close_backend, tmp_path_factory):
     markup in the database, as a hostile model output would be."""
     path = tmp_path_factory.mktemp("replay") / "history.db"
     history = History(path)
-    req = Request(prompt="Write <b>bold</b> & more", max_new_tokens=40, method="draft", k=3)
+    req = Request(prompt="Write <b>bold</b> & more", max_new_tokens=40, drafting=Drafting(method="draft", k=3))
     comp = run_to_end(Comparison(close_backend, req, "fair", history, {"category": "chat", "backend": "local",
                                                                  "method": "draft"}))
     assert comp.status == "completed"

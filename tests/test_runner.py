@@ -7,6 +7,8 @@ import time
 import pandas as pd
 import pytest
 
+from engine.drafting import Drafting
+
 from engine.request import Request
 from engine.comparison import ComparisonFigures
 from specconsole import charts
@@ -15,13 +17,13 @@ from specconsole.history import History
 from specconsole.render import figures_html, tokens_html
 from engine.clock import EngineClock
 from specconsole.runner import Comparison
-from tests.conftest import PassLog, run_to_end
+from tests.conftest import PassLog, hello_there, run_to_end
 
 
 @pytest.mark.parametrize("mode", ["fair", "race"])
 def test_comparison_saved_and_rebuilt(backend, tmp_path, mode):
     history = History(tmp_path / "h.db")
-    req = Request(prompt="=cmd|' /C calc'!A0 <script>", max_new_tokens=24, method="draft", k=3)
+    req = Request(prompt="=cmd|' /C calc'!A0 <script>", max_new_tokens=24, drafting=Drafting(method="draft", k=3))
     meta = {"category": "code", "backend": "local", "method": "draft"}
     comp = run_to_end(Comparison(backend, req, mode, history, meta))
     assert comp.status == "completed"
@@ -52,7 +54,7 @@ def test_comparison_saved_and_rebuilt(backend, tmp_path, mode):
 def test_fair_mode_clocks_exclude_the_other_engine(backend):
     """Each engine's clock stands still while the other engine computes: read before and after every event of the
     other, it has not moved. Each total is on the engine's own clock and holds its own passes."""
-    req = Request(prompt="hello there", max_new_tokens=40, method="draft", k=2)
+    req = hello_there(40, k=2)
     comp = Comparison(backend, req, "fair", None, {})
     log = PassLog(backend, {id(req): "speculative"})
     comp.backend = log
@@ -69,7 +71,7 @@ def test_turn_gaps_stand_where_the_page_waits_and_are_not_timed(backend):
     the engines' clocks do not count it (the run's wall time does)."""
     from benchmarks.turn_gap import Gap, run
 
-    req = Request(prompt="hello there", max_new_tokens=12, method="draft", k=2)
+    req = hello_there(12, k=2)
     gap = Gap(0.02)
     t = time.perf_counter()
     results = run(backend, req, [], gap)
@@ -97,7 +99,7 @@ def test_a_turn_that_fails_before_its_pass_ends_the_run_with_the_reason(backend)
         def clear(self):
             pass
 
-    comp = Comparison(backend, Request(prompt="hello there", max_new_tokens=8, method="draft", k=2), "fair", None, {})
+    comp = Comparison(backend, hello_there(8, k=2), "fair", None, {})
     comp.page_idle = Broken()
     run_to_end(comp)
     assert all("the page's wait broke" in r.error for r in comp.results.values())
@@ -114,7 +116,8 @@ def test_whole_run_turns_start_on_a_quiet_machine(backend, monkeypatch):
     waits = []
     monkeypatch.setattr(ConsoleWork, "wait_until_quiet", lambda self: waits.append(time.perf_counter()))
     monkeypatch.setattr(backend, "capabilities", dataclasses.replace(backend.capabilities, fair_strategy="sequential"))
-    comp = run_to_end(Comparison(backend, Request(prompt="hello there", max_new_tokens=8, method="draft", k=2),
+    comp = run_to_end(Comparison(backend, Request(prompt="hello there", max_new_tokens=8,
+                                                  drafting=Drafting(method="draft", k=2)),
                                  "fair", None, {}))
     assert all(r.finish_reason == "length" for r in comp.results.values())
     for thread in comp._threads:  # its turns' thread may still be finding the ended streams: it waits there too
@@ -122,8 +125,7 @@ def test_whole_run_turns_start_on_a_quiet_machine(backend, monkeypatch):
     assert len(waits) >= len(comp.engines)
     monkeypatch.setattr(backend, "capabilities", dataclasses.replace(backend.capabilities, fair_strategy="alternate"))
     waits.clear()
-    run_to_end(Comparison(backend, Request(prompt="hello there", max_new_tokens=8, method="draft", k=2), "fair",
-                          None, {}))
+    run_to_end(Comparison(backend, hello_there(8, k=2), "fair", None, {}))
     assert not waits  # turns of a pass each wait only after the page drew (no page here)
 
 
@@ -161,7 +163,7 @@ def test_the_turn_after_the_pages_drawing_goes_to_each_engine_alike(backend, mon
 
     monkeypatch.setattr(ConsoleWork, "start", noting_start)
     monkeypatch.setattr(ConsoleWork, "wait_until_quiet", lambda self: None)
-    comp = Comparison(backend, Request(prompt="hello there", max_new_tokens=40, method="draft", k=2), "fair", None, {})
+    comp = Comparison(backend, hello_there(40, k=2), "fair", None, {})
     comp.page_idle = page
     run_to_end(comp)
     assert comp.comparison().identical
@@ -184,7 +186,7 @@ def test_whole_run_turns_stream_to_the_page(backend, monkeypatch):
             yield event
 
     monkeypatch.setattr(backend, "baseline", slow)
-    comp = Comparison(backend, Request(prompt="hello there", max_new_tokens=60, method="draft", k=2), "fair", None, {})
+    comp = Comparison(backend, hello_there(60, k=2), "fair", None, {})
     comp.start()
     seen_mid_run, deadline = False, time.monotonic() + 60
     while not comp.poll(0.05):
@@ -204,7 +206,7 @@ def test_engine_clock_pauses():
 
 def test_cancel_keeps_a_cancelled_run(backend, tmp_path):
     history = History(tmp_path / "h.db")
-    req = Request(prompt="hello", max_new_tokens=4000 // 20, method="draft", k=2)
+    req = Request(prompt="hello", max_new_tokens=4000 // 20, drafting=Drafting(method="draft", k=2))
     comp = Comparison(backend, req, "fair", history, {"category": "chat"})
     comp.cancel.set()
     run_to_end(comp)
@@ -222,7 +224,8 @@ def test_engine_error_fails_one_panel_and_saves(backend, tmp_path, monkeypatch):
         raise RuntimeError("the draft fell over")
 
     monkeypatch.setattr(backend, "speculative", broken)
-    comp = run_to_end(Comparison(backend, Request(prompt="hi", max_new_tokens=12, k=2), "fair", history, {}))
+    comp = run_to_end(Comparison(backend, Request(prompt="hi", max_new_tokens=12, drafting=Drafting(k=2)), "fair",
+                                 history, {}))
     assert comp.results["baseline"].finish_reason == "length"  # the other engine finished
     assert "the draft fell over" in comp.results["speculative"].error
     row = history.run(comp.run_id)
@@ -315,7 +318,7 @@ def test_the_wait_for_a_quiet_machine_gives_up_on_a_busy_one():
 
 def test_noisy_flag_is_saved_and_exported(backend, tmp_path):
     history = History(tmp_path / "h.db")
-    req = Request(prompt="hello", max_new_tokens=8, method="draft", k=2)
+    req = Request(prompt="hello", max_new_tokens=8, drafting=Drafting(method="draft", k=2))
     comp = run_to_end(Comparison(backend, req, "fair", history, {"category": "chat"}))
     machine = comp.checks()["speculative"]
     assert {"noisy", "other_cores", "load_average"} <= machine.keys()
@@ -358,8 +361,8 @@ def test_run_meta_is_what_actually_ran(backend):
     from specconsole.runner import run_meta
     from tests.test_workbench import ServerLike
 
-    assert run_meta(backend, Request(prompt="x", method="ngram")) | {"target_model": ""} == {
+    assert run_meta(backend, Request(prompt="x", drafting=Drafting(method="ngram"))) | {"target_model": ""} == {
         "backend": "local", "target_model": "", "draft_model": None, "method": "ngram"}
-    assert run_meta(backend, Request(prompt="x", method="draft"))["draft_model"] == "tiny-draft"
-    served = run_meta(ServerLike(backend), Request(prompt="x", method="draft"))
+    assert run_meta(backend, Request(prompt="x", drafting=Drafting(method="draft")))["draft_model"] == "tiny-draft"
+    served = run_meta(ServerLike(backend), Request(prompt="x", drafting=Drafting(method="draft")))
     assert served["method"] == "eagle" and served["draft_model"] == "/m/eagle"

@@ -4,6 +4,8 @@ figures, history, CSV, workbench aggregate). Tiny models: the real-vLLM side is 
 import pandas as pd
 import torch
 
+from engine.drafting import Drafting
+
 from engine.request import Request
 from engine.analysis.check import ABSURD_NLL, COPY_FRACTION, MIN_DRAFTS, copy_fraction, sampling_check, verdict
 from engine.comparison import ComparisonFigures
@@ -22,8 +24,8 @@ PROMPT = "Write a short note about rivers."
 
 
 def sampled(temperature: float, seed: int, max_new_tokens: int = 24) -> Request:
-    return Request(prompt=PROMPT, max_new_tokens=max_new_tokens, method="draft", k=3,
-                   sampling=SamplingParams(temperature, 0, 1.0, seed))
+    return Request(prompt=PROMPT, max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature, 0, 1.0, seed),
+                   drafting=Drafting(method="draft", k=3))
 
 
 def result(backend, engine: str, req: Request) -> RunResult:
@@ -77,7 +79,7 @@ def test_a_sampler_that_ignores_the_temperature_is_suspect(backend):
 
 
 def test_greedy_and_unfinished_runs_are_not_checked(backend):
-    req = Request(prompt=PROMPT, max_new_tokens=8, method="draft", k=3)
+    req = Request(prompt=PROMPT, max_new_tokens=8, drafting=Drafting(method="draft", k=3))
     results = {e: result(backend, e, req) for e in ("baseline", "speculative")}
     assert sampling_check(backend, req, results) == {"sampling_check": None}
     results["speculative"].finish_reason = "cancelled"

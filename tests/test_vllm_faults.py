@@ -467,7 +467,7 @@ def test_an_nway_comparison_streams_each_engine_from_its_own_server(four_servers
                                         (extra_b.url, speculative_config("draft_model", 4, "d"))])
     assert backend.capabilities.fixed_variants
     assert [v["label"] for v in backend.variants().values()] == ["vLLM draft_model K=2", "vLLM draft_model K=4"]
-    from specconsole.tab_run import compare_choices
+    from specconsole.run_layout import compare_choices
     assert compare_choices(backend)["choices"] == ["vLLM draft_model K=2", "vLLM draft_model K=4"]  # the page's
     req = Request(prompt="x", max_new_tokens=len(WORDS))
     extra = served(backend, req, ["vLLM draft_model K=4"])  # the second extra server only

@@ -242,7 +242,7 @@ def test_concurrency_sweep(vllm):
 
 
 def test_reconfigure_from_the_page_settings(vllm):
-    from engine.backend import Drafting
+    from engine.drafting import Drafting
 
     vllm.reconfigure(Drafting("ngram", 2))
     assert vllm.speculative_config == speculative_config("ngram", 2)

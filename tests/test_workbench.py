@@ -7,6 +7,7 @@ from statistics import median
 import pandas as pd
 import pytest
 
+from engine.drafting import Drafting
 from engine.request import Request
 from engine.analysis.stats import bootstrap_ci
 from engine.limits import SettingsError
@@ -41,19 +42,20 @@ def test_user_suites_from_jsonl_and_csv(tmp_path):
 
 
 def test_sweep_requests():
-    base = Request(prompt="-", k=4)
+    base = Request(prompt="-", drafting=Drafting(k=4))
     item = ITEMS[2]
     assert request_for(base, item).sampling.temperature == 0.7 and request_for(base, item).earlier_turns == item.earlier_turns
-    assert request_for(base, item, "k", "8").k == 8 and request_for(base, item, "k", "dynamic").dynamic_k
+    assert request_for(base, item, "k", "8").drafting.k == 8
+    assert request_for(base, item, "k", "dynamic").drafting.dynamic_k
     assert request_for(base, item, "temperature", "1.2", suite_temperature=False).sampling.temperature == 1.2
-    assert request_for(base, item, "method", "ngram").method == "ngram"
-    assert request_for(base, item, "method", "hybrid").method == "hybrid" and "hybrid" in SWEEPS["method"]
+    assert request_for(base, item, "method", "ngram").drafting.method == "ngram"
+    assert request_for(base, item, "method", "hybrid").drafting.method == "hybrid" and "hybrid" in SWEEPS["method"]
     assert len(request_for(base, item, "context", "long").prompt) > 10 * len(item.prompt)
 
 
 def test_suite_saves_every_run_and_aggregates_match(backend, tmp_path):
     history = History(tmp_path / "h.db")
-    base = Request(prompt="-", max_new_tokens=12, method="draft", k=2)
+    base = Request(prompt="-", max_new_tokens=12, drafting=Drafting(method="draft", k=2))
     suite = run_suite(backend, ITEMS, base, history, {"backend": "local"}, variable="k", values=["1", "3"])
     assert len(suite.run_ids) == 6 and not suite.cancelled
     rows = history.runs(suite_id=suite.suite_id)
@@ -94,7 +96,8 @@ def test_cancel_keeps_completed_runs(backend, tmp_path):
         if i == 2:
             cancel.set()
 
-    suite = run_suite(backend, ITEMS * 2, Request(prompt="-", max_new_tokens=8, k=2), history, {}, cancel=cancel,
+    suite = run_suite(backend, ITEMS * 2, Request(prompt="-", max_new_tokens=8, drafting=Drafting(k=2)), history, {},
+                      cancel=cancel,
                       on_progress=progress)
     assert suite.cancelled and len(suite.run_ids) == 2
     assert [r["status"] for r in history.runs(suite_id=suite.suite_id)] == ["completed", "completed"]
@@ -123,7 +126,8 @@ class FirstMover:
 def test_repeats_are_interleaved_and_alternate_the_first_engine(backend, tmp_path):
     history = History(tmp_path / "h.db")
     recorder = FirstMover(backend)
-    suite = run_suite(recorder, ITEMS[:2], Request(prompt="-", max_new_tokens=8, k=2), history, {"method": "draft"},
+    suite = run_suite(recorder, ITEMS[:2], Request(prompt="-", max_new_tokens=8, drafting=Drafting(k=2)), history,
+                      {"method": "draft"},
                       repeats=2)
     assert len(suite.run_ids) == 4
     rows = list(reversed(history.runs(suite_id=suite.suite_id)))  # in the order they ran
@@ -319,7 +323,7 @@ class ServerLike:
         return {"backend": "vllm", "target_model": "tiny", "draft_model": "/m/eagle", "method": "eagle"}
 
     def ignored_settings(self, req):
-        from engine.backend import DRAFTING_SETTINGS
+        from engine.drafting import DRAFTING_SETTINGS
 
         return DRAFTING_SETTINGS
 
@@ -454,7 +458,6 @@ class RestartableServer(ServerLike):
     def __init__(self, inner):
         from dataclasses import replace
 
-        from engine.backend import Drafting
 
         super().__init__(inner)
         self.capabilities = replace(self.capabilities, can_reconfigure=True, methods=("eagle", "ngram"),

@@ -22,7 +22,8 @@ from engine.backend import K_RANGE, Capabilities
 from engine.exact import calibration, grouped_int8, huge_pages, int8_store
 from engine.exact.policy import Costs, PolicyConfig, SpecPolicy
 from engine.exact.proposers import Draft
-from engine.request import MIN_DRAFT_VOCAB, Request
+from engine.drafting import MIN_DRAFT_VOCAB, Drafting
+from engine.request import Request
 from engine.limits import SettingsError
 from engine.stops import StopConditions
 from engine.exact.vocab import PrunedHead, kept_ids, prune_head, token_ranking
@@ -158,12 +159,13 @@ class LocalBackend:
         self.prompt_ids(req)
 
     def ignored_settings(self, req: Request) -> tuple[str, ...]:
-        return ()
+        # the draft model is loaded with the backend; `draft` and `options` are for a server's restart
+        return tuple(name for name in ("draft", "options") if getattr(req.drafting, name))
 
     def drafting(self) -> None:
         return None  # the request's drafting settings apply, per run
 
-    def reconfigure(self, drafting) -> None:
+    def reconfigure(self, drafting: Drafting) -> None:
         raise SettingsError("the local engines take their drafting settings with each run; nothing to restart")
 
     def throughput(self, engine: str, prompts: list[str], max_new_tokens: int,
@@ -177,14 +179,15 @@ class LocalBackend:
         """The prompt as the target's tokens, after checking that this backend can serve `req` (`drafting`: its
         drafting too; the baseline drafts nothing)."""
         req.validate()
+        d = req.drafting
         if drafting:
-            self.capabilities.check_k(req.k)
-        if drafting and needs_draft(req.method) and self.draft is None:
-            raise SettingsError(f"this setup has no draft model, which {req.method} drafting needs: choose n-gram "
+            self.capabilities.check_k(d.k)
+        if drafting and needs_draft(d.method) and self.draft is None:
+            raise SettingsError(f"this setup has no draft model, which {d.method} drafting needs: choose n-gram "
                                 "drafting or load a draft")
-        if drafting and needs_draft(req.method) and req.draft_vocab > self.draft.vocab_size:
+        if drafting and needs_draft(d.method) and d.draft_vocab > self.draft.vocab_size:
             raise SettingsError(f"the draft vocabulary (FR-Spec) must be 0 (full) or between {MIN_DRAFT_VOCAB} and "
-                                f"the draft's {self.draft.vocab_size} tokens, got {req.draft_vocab}")
+                                f"the draft's {self.draft.vocab_size} tokens, got {d.draft_vocab}")
         ids = encode_prompt(self.target.tokenizer, req.prompt, req.chat, req.earlier_turns)
         room = self.target.max_context - req.max_new_tokens
         if len(ids) > room:
@@ -213,15 +216,15 @@ class LocalBackend:
         # `engine` names no server here: an N-way run's extra engines differ in the request's drafting settings
         ids = self.prompt_ids(req)
         t = self.target
-        tree_rows = self.tree_rows if req.token_tree else 0
-        method = PROPOSERS[req.method]
-        draft = Draft(self.draft.model, t.vocab_size, self.draft_head(req.draft_vocab),
+        tree_rows = self.tree_rows if req.drafting.token_tree else 0
+        method = PROPOSERS[req.drafting.method]
+        draft = Draft(self.draft.model, t.vocab_size, self.draft_head(req.drafting.draft_vocab),
                       alternatives=tree.width(tree_rows)) if method.needs_draft else None
         proposer = method.build(req, draft)
         costs = self.calibrate()
         if not method.needs_draft:  # n-gram lookup: a drafted token costs next to nothing
             costs = replace(costs, draft_ms_per_token=0.0)
-        policy = SpecPolicy(PolicyConfig.of(req), costs=costs)
+        policy = SpecPolicy(PolicyConfig.of(req.drafting), costs=costs)
         yield from generate_speculative(
             t.model, t.tokenizer, proposer, ids, req.sampling, self.stops(req), policy, cancel, clock, tree_rows
         )

@@ -34,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from engine.drafting import Drafting
 from engine.events import PolicyAction, PolicyEvent, StepRecord
 from engine.metrics import acceptance_alpha, expected_tokens_per_pass
 from engine.limits import DYNAMIC_K_MAX, MAX_K, SettingsError
@@ -62,11 +63,12 @@ class PolicyConfig:
     verify_curve: bool = True  # DraftStop reads verify(m) measured per m (False: linear in m)
 
     @classmethod
-    def of(cls, req) -> "PolicyConfig":
-        """The policy an engine.request.Request asks for."""
-        k_max = max(req.k_max, req.k) if req.dynamic_k else req.k
-        return cls(k=req.k, dynamic=req.dynamic_k, k_max=k_max, fallback=req.fallback,
-                   per_token=req.per_token and needs_draft(req.method), verify_curve=req.verify_curve)
+    def of(cls, drafting: Drafting) -> "PolicyConfig":
+        """The policy a request's drafting asks for."""
+        d = drafting
+        k_max = max(d.k_max, d.k) if d.dynamic_k else d.k
+        return cls(k=d.k, dynamic=d.dynamic_k, k_max=k_max, fallback=d.fallback,
+                   per_token=d.per_token and needs_draft(d.method), verify_curve=d.verify_curve)
 
     def validate(self) -> None:
         if not 1 <= self.k_min <= self.k_max <= MAX_K:

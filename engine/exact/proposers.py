@@ -85,7 +85,7 @@ class DraftModelProposer:
 
     @classmethod
     def build(cls, req: Request, draft: Draft | None) -> DraftModelProposer:
-        return cls(draft.model, draft.vocab_size, req.sampling, None, req.draft_confidence, draft.head,
+        return cls(draft.model, draft.vocab_size, req.sampling, None, req.drafting.draft_confidence, draft.head,
                    draft.alternatives)
 
     def propose(self, ids: list[int], k: int, stop=None) -> Proposal:
@@ -153,7 +153,7 @@ class NgramProposer:
 
     @classmethod
     def build(cls, req: Request, draft: Draft | None) -> NgramProposer:
-        return cls(req.ngram_min, req.ngram_max)
+        return cls(req.drafting.ngram_min, req.drafting.ngram_max)
 
     def propose(self, ids: list[int], k: int, stop=None) -> Proposal:
         for n in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
@@ -178,7 +178,8 @@ class HybridProposer:
 
     @classmethod
     def build(cls, req: Request, draft: Draft | None) -> HybridProposer:
-        lookup = NgramProposer(req.hybrid_min_match, max(req.ngram_max, req.hybrid_min_match))
+        d = req.drafting
+        lookup = NgramProposer(d.hybrid_min_match, max(d.ngram_max, d.hybrid_min_match))
         return cls(DraftModelProposer.build(req, draft), lookup)
 
     @property

@@ -42,7 +42,8 @@ from typing import Callable, Iterator
 
 import httpx
 
-from engine.backend import MAX_EXTRA, Capabilities, Drafting, cores_left_over, extra_engine
+from engine.backend import MAX_EXTRA, Capabilities, cores_left_over, extra_engine
+from engine.drafting import Drafting
 from engine.events import Event, RunResult, StepRecord, TokenEvent, TokenKind
 from engine.serving.http_safety import fetch, redact
 from engine.llamacpp.client import is_last, parse_chunk, render_prompt, request_body

@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from engine.backend import Drafting
+from engine.drafting import Drafting
 from engine.events import Event, PolicyEvent, RunResult, StepRecord, TokenEvent
 from engine.metrics import run_metrics
 
@@ -277,7 +277,8 @@ class EngineProcess:
                     self._send(("next", sid))
                 answer = answers.get()
                 if isinstance(answer, _Died):
-                    yield self._died_result(kind, "none" if kind == "baseline" else req.method, seen, answer.reason)
+                    method = "none" if kind == "baseline" else req.drafting.method
+                    yield self._died_result(kind, method, seen, answer.reason)
                     return
                 _, _, events, error, done = answer
                 for event in events:

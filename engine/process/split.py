@@ -15,7 +15,7 @@ import time
 from dataclasses import replace
 from typing import Callable, Iterator
 
-from engine.backend import Drafting
+from engine.drafting import Drafting
 from engine.events import Event
 from engine.limits import SettingsError
 from engine.process.client import EngineProcess, Progress

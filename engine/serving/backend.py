@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import httpx
 
-from engine.backend import DRAFTING_SETTINGS
+from engine.drafting import DRAFTING_SETTINGS
 from engine.events import Event, RunResult
 from engine.limits import SettingsError
 from engine.request import Request

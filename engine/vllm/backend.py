@@ -45,7 +45,8 @@ from typing import Callable, Iterator
 
 import httpx
 
-from engine.backend import MAX_EXTRA, Capabilities, Drafting, cores_left_over, extra_engine
+from engine.backend import MAX_EXTRA, Capabilities, cores_left_over, extra_engine
+from engine.drafting import Drafting
 from engine.events import Event, Reclassified, RunResult, StepRecord, TokenEvent, TokenKind
 from engine.serving.http_safety import ResponseRefused, afetch, endpoint, fetch, number, redact
 from engine.limits import SettingsError

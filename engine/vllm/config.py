@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.backend import Drafting
+from engine.drafting import Drafting
 from engine.limits import MAX_K
 from engine.methods import digits, nonempty, parse_specs
 from engine.vllm.server import VLLMError
