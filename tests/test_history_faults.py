@@ -19,7 +19,6 @@ import pandas as pd
 import pytest
 
 from engine.drafting import Drafting
-
 from engine.request import Request
 from engine.comparison import ComparisonFigures
 from engine.exact.proposers import Proposal

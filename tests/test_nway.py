@@ -12,7 +12,6 @@ import pandas as pd
 import pytest
 
 from engine.drafting import Drafting
-
 from engine.request import Request
 from specconsole import backends, charts
 from specconsole.export import export_all, export_csv

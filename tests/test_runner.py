@@ -8,7 +8,6 @@ import pandas as pd
 import pytest
 
 from engine.drafting import Drafting
-
 from engine.request import Request
 from engine.comparison import ComparisonFigures
 from specconsole import charts

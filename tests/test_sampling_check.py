@@ -5,7 +5,6 @@ import pandas as pd
 import torch
 
 from engine.drafting import Drafting
-
 from engine.request import Request
 from engine.analysis.check import ABSURD_NLL, COPY_FRACTION, MIN_DRAFTS, copy_fraction, sampling_check, verdict
 from engine.comparison import ComparisonFigures
