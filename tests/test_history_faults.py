@@ -34,7 +34,7 @@ from specconsole.history import LIST_COLUMNS, History
 from specconsole.run_owner import process_start
 from specconsole.render import tokens_html
 from specconsole.runner import Comparison
-from tests.big_history import big_history_copy
+from tests.big_history import big_history_copy, make_big_history
 from tests.conftest import db_rows, hello_there, run_to_end
 
 log = logging.getLogger(__name__)
@@ -400,7 +400,7 @@ def test_history_pages_open_and_filter_fast(big):
 
 def test_deleting_1000_runs_is_one_transaction(tmp_path):
     path = tmp_path / "history.db"
-    counts = big_history_copy(path)  # a copy of its own: the module's `big` stays whole for the other tests
+    counts = make_big_history(path, runs=2_000)  # a history of its own: the 10,000-run one is the slow tier's
     history = History(path)
     ids = [r[0] for r in history.db.execute("SELECT id FROM runs ORDER BY created_at LIMIT 1000")]
     keep = history.db.execute("SELECT count(*) FROM tokens WHERE run_id NOT IN (SELECT value FROM json_each(?))",

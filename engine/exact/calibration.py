@@ -10,7 +10,9 @@ The store is a JSON file per key under the cache (engine.loading.weights.cache_d
 depend on: the CPU (model and instruction sets), torch's version and threads, the device, and the two models as
 loaded (their names carry the target's precision). Costs measured while other processes took the CPU are kept for
 that start only, not stored: one measured beside a test suite once put a draft token at 388 ms instead of 25, and
-every later start drafted by it.
+every later start drafted by it. The first passes after a load run slower, so each model runs a few untimed passes
+first, and the curve is padded (a shorter pass never costs more than a longer one): a plain step measured dearer
+than it is makes a draft token look cheap, and the policy drafts where plain decoding is faster (docs/policy.md).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ log = logging.getLogger(__name__)
 
 CONTEXT = 128  # tokens in the cache while passes are timed: a typical prompt's length
 REPEATS = 5  # timed passes per length, after one that warms up; the median is kept
+WARM_UP = 3  # untimed passes of each model before any is timed: the first passes after a load run slower
+# what the stored costs were measured by: a file from another method is measured again
+METHOD = "warmed, padded curve"
 OTHERS_MAX = 0.2  # cores other processes may take while the costs are measured, for them to be stored
 
 
@@ -44,7 +49,7 @@ def machine() -> dict:
 
 
 def key(models: dict) -> str:
-    return hashlib.sha1(json.dumps(machine() | models, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha1(json.dumps(machine() | models | {"method": METHOD}, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _median_ms(run, repeats: int, device: torch.device) -> float:
@@ -80,12 +85,23 @@ def measure(target, draft=None, k_max: int = PolicyConfig.k_max, repeats: int = 
     """Time the target's passes over 1 .. k_max + 1 tokens and a draft token (`target`, `draft`: nn.Modules). A
     run with K above the default ceiling reads longer passes off the curve's mean slope (Costs.verify_ms_per_token)."""
     t = time.perf_counter()
-    curve = {m: _pass_ms(target, m, repeats) for m in range(1, k_max + 2)}
+    for model in filter(None, (target, draft)):
+        _pass_ms(model, 1, WARM_UP)
+    curve = padded({m: _pass_ms(target, m, repeats) for m in range(1, k_max + 2)})
     draft_ms = _pass_ms(draft, 1, repeats) if draft is not None else None
     log.info("calibrated the policy's costs in %.1f s: plain step %.1f ms, pass over %d tokens %.1f ms, draft token "
              "%s ms", time.perf_counter() - t, curve[1], k_max + 1, curve[k_max + 1],
              f"{draft_ms:.1f}" if draft_ms is not None else "-")
     return Costs(curve[1], curve, draft_ms)
+
+
+def padded(curve: dict[int, float]) -> dict[int, float]:
+    """A pass over m tokens costs at most what a pass over more costs (it could be padded to that many rows): a
+    shorter pass measured dearer was disturbed, and would make the policy draft where plain decoding is faster."""
+    out, cheapest = {}, float("inf")
+    for m in sorted(curve, reverse=True):
+        cheapest = out[m] = min(cheapest, curve[m])
+    return dict(sorted(out.items()))
 
 
 def as_dict(costs: Costs, about: dict) -> dict:
