@@ -44,8 +44,8 @@ def collect(args) -> list[dict]:
         for item in load_suite(category)[: args.prompts]:
             for temperature, max_new_tokens, seed in product(args.temperatures, args.max_new_tokens, range(args.seeds)):
                 req = Request(prompt=item.prompt, earlier_turns=item.earlier_turns, max_new_tokens=max_new_tokens,
-                              sampling=SamplingParams(temperature, 0, 1.0,
-                                                      1000 + seed), drafting=Drafting(method=args.method, k=4))
+                              sampling=SamplingParams(temperature, 0, 1.0, 1000 + seed),
+                              drafting=Drafting(method=args.method, k=4))
                 b, s = run(backend, req, "baseline"), run(backend, req, "speculative")
                 scores = backend.score(req, [b.output_ids, s.output_ids])
                 pairs.append({"category": category, "temperature": temperature, "seed": seed,

@@ -59,7 +59,6 @@ def child(preset_name: str, precision: str) -> None:
     else:
         setup()
     from engine.exact.backend import LocalBackend
-    from engine.drafting import Drafting
     from engine.request import Request
 
     # the float32 default is not named, so that a checkout from before --precision (--code) still loads
@@ -67,9 +66,14 @@ def child(preset_name: str, precision: str) -> None:
     ready_s = time.time() - proc.create_time()
     gc.collect()
     loaded = proc.memory_full_info()
-    req = Request(prompt="Write a Python function that reverses a string.", max_new_tokens=8,
-                  drafting=Drafting(method="draft"
-                  if backend.draft else "ngram", k=4))
+    drafting = {"method": "draft" if backend.draft else "ngram", "k": 4}
+    try:
+        from engine.drafting import Drafting
+    except ImportError:  # a checkout (--code) from before engine.drafting: the drafting settings are Request's own
+        req = Request(prompt="Write a Python function that reverses a string.", max_new_tokens=8, **drafting)
+    else:
+        req = Request(prompt="Write a Python function that reverses a string.", max_new_tokens=8,
+                      drafting=Drafting(**drafting))
     *_, base = backend.baseline(req)
     *_, spec = backend.speculative(req)
     gc.collect()

@@ -20,6 +20,8 @@ MIN_DRAFT_VOCAB = 1024
 
 # The settings the page's form sets; a backend without per-request drafting ignores them (and says so).
 DRAFTING_SETTINGS = ("method", "k", "dynamic_k", "fallback", "draft_confidence", "draft_vocab")
+# A server's restart settings (reconfigure()); no backend applies them from a request.
+SERVER_SETTINGS = ("draft", "options")
 
 
 @dataclass(frozen=True)
@@ -39,11 +41,15 @@ class Drafting:
     draft_confidence: float = 0.0  # stop drafting after a token the draft itself gives less than this (0 = off)
     per_token: bool = True  # with dynamic K, a draft model stops by policy.DraftStop (False: K from the i.i.d. model)
     verify_curve: bool = True  # DraftStop reads each length's measured verify cost (False: linear in length)
-    token_tree: bool = True  # greedy, local: a short pass's free rows verify the draft's alternatives (engine.exact.tree)
+    token_tree: bool = True  # greedy, local: a short pass's free rows verify the draft's alternatives (exact.tree)
     ngram_min: int = 1
     ngram_max: int = 4
     hybrid_min_match: int = HYBRID_MIN_MATCH  # hybrid: the shortest n-gram match that is trusted over the draft model
     draft_vocab: int = 0  # FR-Spec: the draft model drafts among its N most frequent tokens only (0 = all of them)
+
+    def server_settings_set(self) -> tuple[str, ...]:
+        """Which of SERVER_SETTINGS this drafting sets: in a request, ignored by every backend (and said so)."""
+        return tuple(name for name in SERVER_SETTINGS if getattr(self, name))
 
     def validate(self) -> None:
         """SettingsError unless a run can draft this way (a request's drafting; a backend checks what it needs more:

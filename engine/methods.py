@@ -1,7 +1,7 @@
 """The local engine's drafting methods, in one registry, and the command line's spelling of a drafting configuration.
 
-PROPOSERS maps each method name (Drafting.method, `--method`, `--compare`) to its engine.exact.proposers.Proposer and what
-it needs: Request validation, the local backend and the page's choices all read it. A new method is one Proposer
+PROPOSERS maps each method name (Drafting.method, `--method`, `--compare`) to its engine.exact.proposers.Proposer and
+what it needs: Request validation, the local backend and the page's choices all read it. A new method is one Proposer
 class (with a `build` classmethod), its line here, and its tests.
 
 `method[:name=value][:flag]`, a comma list of them, is how `--compare`, `--vllm-compare` and `--llamacpp-compare`

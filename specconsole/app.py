@@ -12,10 +12,10 @@ import gradio as gr
 from engine.limits import MAX_UPLOAD_BYTES
 from engine.setup import setup
 from specconsole import tab_history, tab_run, tab_workbench
-from specconsole.run_layout import backend_view
 from specconsole.frames import quiet_frames
 from specconsole.history import History, HistoryError
 from specconsole.host import ModelHost
+from specconsole.run_layout import backend_view
 
 log = logging.getLogger(__name__)
 

@@ -30,17 +30,18 @@ class RunQueue:
         self.running: dict[str, Comparison] = {}  # session -> its comparison, for Stop
 
     def take_turn(self, session: str, panel_run: str, engines: list[str]) -> Generator[tuple, None, bool]:
-        """Wait for the engines, yielding the page's updates meanwhile. Returns True holding the lock (release()
-        it), or False: refused (too many waiting) or stopped before it started, the panels saying which."""
+        """Wait for the engines, yielding the page's updates meanwhile. Returns True holding the lock (enter run()
+        at once: it gives the lock back), or False: refused (too many waiting) or stopped before it started, the
+        panels saying which."""
         if self.lock.acquire(blocking=False):
             return True
         if len(self.waiting) >= MAX_QUEUED_RUNS and session not in self.waiting:
             yield outputs_of(notices(ENGINES, panel_notice(panel_run, TOO_MANY_QUEUED)), "")
             return False
         stopped = self.waiting[session] = threading.Event()
-        yield outputs_of(notices(engines, PanelFeed(panel_run).message([], QUEUED)),
-                         f'<div class="status-line">{escape(QUEUED)}</div>')
-        try:
+        try:  # a tab closed at any yield below leaves the queue
+            yield outputs_of(notices(engines, PanelFeed(panel_run).message([], QUEUED)),
+                             f'<div class="status-line">{escape(QUEUED)}</div>')
             while not self.lock.acquire(timeout=1.0):
                 if stopped.is_set():
                     yield outputs_of(notices(engines, PanelFeed(panel_run).message([], "Stopped before it started.")),

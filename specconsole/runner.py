@@ -35,6 +35,7 @@ from dataclasses import asdict, replace
 from engine.backend import ENGINES, MAX_EXTRA, extra_engine
 from engine.clock import EngineClock
 from engine.comparison import ComparisonFigures
+from engine.drafting import SERVER_SETTINGS
 from engine.analysis.check import sampling_check
 from engine.events import Event, PolicyEvent, Reclassified, RunResult, StepRecord, TokenEvent
 from engine.metrics import compare, run_metrics
@@ -392,7 +393,7 @@ def _settings(request) -> dict:
     d = asdict(request)
     d.pop("prompt")
     # saved flat, as one table of settings; a server's restart fields (draft, options) are not a run's
-    drafting = {k: v for k, v in d.pop("drafting").items() if k not in ("draft", "options")}
+    drafting = {k: v for k, v in d.pop("drafting").items() if k not in SERVER_SETTINGS}
     d = {"max_new_tokens": d.pop("max_new_tokens")} | drafting | d
     d.update(d.pop("sampling"))
     d["stop_strings"] = list(d["stop_strings"])

@@ -66,8 +66,12 @@ class Handlers:
             extra = []  # the run says why
         return extra_layout([v.label for v in extra])
 
-    def run(self, request: gr.Request, *values):
-        form, host = RunForm(*values), self.host
+    def run(self, prompt, category, method, k, dynamic_k, confidence, draft_vocab, fallback, temperature, top_p,
+            max_new, seed, mode, show_rejected, compare_with, request: gr.Request):
+        # named one by one, not *values: they are the names of the page's `/run` API (gradio_client, "Use via API")
+        form = RunForm(prompt, category, method, k, dynamic_k, confidence, draft_vocab, fallback, temperature, top_p,
+                       max_new, seed, mode, show_rejected, compare_with)
+        host = self.host
         session = request.session_hash if request else "local"
         panel_run = uuid.uuid4().hex[:8]  # tells the page's panels that a new run starts
         if not host.ready:
@@ -82,9 +86,11 @@ class Handlers:
         engines = [*ENGINES, *EXTRA_ENGINES[:len(extra)]]
         if not (yield from self.queue.take_turn(session, panel_run, engines)):
             return
-        meta = run_meta(host.backend, req) | {"category": form.category}
-        with self.queue.run(session, lambda: Comparison(host.backend, req, form.mode, self.history, meta, extra=extra,
-                                                        label=speculative.label)) as comp:
+        def start() -> Comparison:  # inside the turn: whatever fails here (a dead engine process) frees the engines
+            meta = run_meta(host.backend, req) | {"category": form.category}
+            return Comparison(host.backend, req, form.mode, self.history, meta, extra=extra, label=speculative.label)
+
+        with self.queue.run(session, start) as comp:
             yield from stream(comp, panel_run, form.mode, form.show_rejected)  # starts it
         if comp.save_error:
             gr.Warning(escape(comp.save_error))  # a toast shows HTML

@@ -32,6 +32,7 @@ def test_costs_measured_beside_a_cpu_hog_are_kept_for_this_start_only_and_quiet_
 
 def test_a_shorter_pass_never_costs_more_than_a_longer_one():
     """A disturbed short pass is padded down to the next longer pass's cost; a rising curve stays as measured."""
-    assert calibration.padded({1: 72.6, 2: 50.4, 3: 54.6, 4: 53.0, 5: 80.2}) == {1: 50.4, 2: 50.4, 3: 53.0, 4: 53.0, 5: 80.2}
+    measured = {1: 72.6, 2: 50.4, 3: 54.6, 4: 53.0, 5: 80.2}
+    assert calibration.padded(measured) == {1: 50.4, 2: 50.4, 3: 53.0, 4: 53.0, 5: 80.2}
     rising = {1: 42.0, 2: 48.0, 3: 55.0}
     assert calibration.padded(rising) == rising

@@ -115,7 +115,7 @@ def test_greedy_output_identical_with_a_pruned_head(tiny_pair, smol_tokenizer, n
 
 
 def test_the_backend_builds_each_pruned_head_once(backend, small_corpus):
-    """Request.draft_vocab drives the local backend: output identical, one pruned head per N, the target untouched."""
+    """Drafting.draft_vocab drives the local backend: output identical, one pruned head per N, the target untouched."""
     head_before = backend.target.model.lm_head
     for method in ("draft", "hybrid"):
         req = Request(prompt="Say hello.", max_new_tokens=24, drafting=Drafting(method=method, k=4, draft_vocab=2048))
@@ -136,5 +136,5 @@ def test_draft_vocabulary_settings_are_checked(backend):
     Request(prompt="x", drafting=Drafting(draft_vocab=1024)).validate()
     with pytest.raises(SettingsError, match=r"between 1024 and the draft's 49152 tokens, got 50000"):
         backend.validate(Request(prompt="x", drafting=Drafting(draft_vocab=50000)))
-    backend.validate(Request(prompt="x", drafting=Drafting(draft_vocab=50000,
-                                                           method="ngram")))  # no draft model: nothing to prune
+    # no draft model: nothing to prune
+    backend.validate(Request(prompt="x", drafting=Drafting(draft_vocab=50000, method="ngram")))

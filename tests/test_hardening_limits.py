@@ -239,10 +239,10 @@ def test_run_tab_refuses_a_run_beyond_the_waiting_limit(backend, tmp_path):
     host.lock.acquire()  # a run in progress
     try:
         for i in range(limits.MAX_QUEUED_RUNS):
-            gen = run.fn(gr.Request(session_hash=f"s{i}"), *form)
+            gen = run.fn(*form, request=gr.Request(session_hash=f"s{i}"))
             assert "Queued behind another run" in str(next(gen))
             waiting.append(gen)
-        extra = run.fn(gr.Request(session_hash="one-too-many"), *form)
+        extra = run.fn(*form, request=gr.Request(session_hash="one-too-many"))
         refusal = str(next(extra))
         assert f"{limits.MAX_QUEUED_RUNS} runs are already waiting" in refusal
         with pytest.raises(StopIteration):
@@ -252,6 +252,23 @@ def test_run_tab_refuses_a_run_beyond_the_waiting_limit(backend, tmp_path):
             gen.close()
         host.lock.release()
     assert history.runs() == []
+
+
+def test_a_run_whose_comparison_cannot_start_frees_the_engines(backend, tmp_path, monkeypatch):
+    """An engine process that dies between the check and the start (describe() fails) leaves the engines free."""
+    history = History(tmp_path / "h.db")
+    host = ready_host(backend)
+    run = page_fn(host, history, "run")
+
+    def dead():
+        raise RuntimeError("the engine process has died")
+    monkeypatch.setattr(backend, "describe", dead)
+    form = astuple(RunForm(prompt="hello", category="code", method="draft", k=2, dynamic_k=False, confidence=0.0,
+                           draft_vocab=0, fallback=False, temperature=0.0, top_p=1.0, max_new=4, seed=0, mode="fair",
+                           show_rejected=False, compare_with=[]))
+    with pytest.raises(RuntimeError, match="has died"):
+        list(run.fn(*form, request=gr.Request(session_hash="s")))
+    assert not host.lock.locked()
 
 
 def test_the_run_queue_frees_the_engines_when_a_run_cannot_start():

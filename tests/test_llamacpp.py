@@ -282,8 +282,8 @@ def test_the_page_names_the_speculative_engine_by_the_method_it_runs(tmp_path):
         with gr.Blocks() as app:
             tab_run.build(app, host, history)
         run = next(f for f in app.fns.values() if f.name == "run").fn
-        for _ in run(gr.Request(session_hash="s"), "x", "t", "draft", 4, False, 0.0, 0, False, 0.0, 1.0, 8, 0, "race",
-                     False, []):
+        for _ in run("x", "t", "draft", 4, False, 0.0, 0, False, 0.0, 1.0, 8, 0, "race", False, [],
+                     request=gr.Request(session_hash="s")):
             pass
         (saved,) = history.runs()
         assert history.engines(saved["id"])["speculative"]["label"] == "llamacpp-draft"

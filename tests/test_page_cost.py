@@ -30,7 +30,7 @@ CLIENT = """
 import sys
 from gradio_client import Client
 client = Client(sys.argv[1], verbose=False)
-# the Run tab's inputs, in tab_run's order: prompt, category, method, k, dynamic_k, confidence, draft_vocab, fallback,
+# the Run tab's inputs, in RunForm's order: prompt, category, method, k, dynamic_k, confidence, draft_vocab, fallback,
 # temperature, top_p, max_new, seed, mode, show_rejected, compare_with
 job = client.submit(sys.argv[2], None, "ngram", 3, False, 0.0, 0, False, 0.0, 1.0, int(sys.argv[3]), 0, "fair",
                     True, [], api_name="/run")

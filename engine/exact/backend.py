@@ -159,8 +159,7 @@ class LocalBackend:
         self.prompt_ids(req)
 
     def ignored_settings(self, req: Request) -> tuple[str, ...]:
-        # the draft model is loaded with the backend; `draft` and `options` are for a server's restart
-        return tuple(name for name in ("draft", "options") if getattr(req.drafting, name))
+        return req.drafting.server_settings_set()  # the draft model is loaded with the backend
 
     def drafting(self) -> None:
         return None  # the request's drafting settings apply, per run

@@ -85,8 +85,9 @@ def measure(target, draft=None, k_max: int = PolicyConfig.k_max, repeats: int = 
     """Time the target's passes over 1 .. k_max + 1 tokens and a draft token (`target`, `draft`: nn.Modules). A
     run with K above the default ceiling reads longer passes off the curve's mean slope (Costs.verify_ms_per_token)."""
     t = time.perf_counter()
-    for model in filter(None, (target, draft)):
-        _pass_ms(model, 1, WARM_UP)
+    for model in (target, draft):
+        if model is not None:
+            _pass_ms(model, 1, WARM_UP - 1)  # WARM_UP passes in all: _median_ms runs one more than it times
     curve = padded({m: _pass_ms(target, m, repeats) for m in range(1, k_max + 2)})
     draft_ms = _pass_ms(draft, 1, repeats) if draft is not None else None
     log.info("calibrated the policy's costs in %.1f s: plain step %.1f ms, pass over %d tokens %.1f ms, draft token "

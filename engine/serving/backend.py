@@ -126,7 +126,8 @@ class ServerBackend:
         raise SettingsError(f"the {self.name} server drafts by its own settings: there is no cost model to measure")
 
     def ignored_settings(self, req: Request) -> tuple[str, ...]:
-        return DRAFTING_SETTINGS  # each speculative server drafts as it was started (reconfigure() changes that)
+        # each speculative server drafts as it was started (reconfigure() changes that)
+        return DRAFTING_SETTINGS + req.drafting.server_settings_set()
 
     # --- runs ------------------------------------------------------------------------------------------------------
 
