@@ -86,6 +86,7 @@ class Handlers:
         engines = [*ENGINES, *EXTRA_ENGINES[:len(extra)]]
         if not (yield from self.queue.take_turn(session, panel_run, engines)):
             return
+
         def start() -> Comparison:  # inside the turn: whatever fails here (a dead engine process) frees the engines
             meta = run_meta(host.backend, req) | {"category": form.category}
             return Comparison(host.backend, req, form.mode, self.history, meta, extra=extra, label=speculative.label)
