@@ -37,7 +37,7 @@ from benchmarks.doc_table import machine
 from engine.exact.backend import LocalBackend
 from engine.exact.precision import AUTO, PRECISIONS
 from engine.methods import METHODS
-from engine.drafting import Drafting
+from engine.drafting import SERVER_SETTINGS, Drafting
 from engine.request import Request
 from engine.events import RunResult
 from engine.metrics import compare, first_divergence
@@ -103,7 +103,7 @@ def parse_variant(spec: str) -> dict:
         key, eq, value = part.partition("=")
         if not eq:
             key, value = "method", key
-        if key not in fields or key in ("draft", "options"):
+        if key not in fields or key in SERVER_SETTINGS:
             raise SystemExit(f"--variants: {key!r} is not a drafting setting (e.g. method, k, draft_confidence)")
         kind = type(getattr(Drafting(), key))
         out[key] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)

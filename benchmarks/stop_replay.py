@@ -38,7 +38,7 @@ from benchmarks.pass_cost import pass_ms
 from benchmarks.doc_table import machine
 from benchmarks.speed import add_sample_args, describe_prompts, sample_plan, with_ci
 from benchmarks.timing import code_context
-from engine.exact.proposers import DraftModelProposer, NgramProposer
+from engine.exact.proposers import DraftModelProposer, HybridProposer
 from engine.events import StepRecord
 from engine.exact.decode import generate_baseline
 from engine.exact.backend import LocalBackend
@@ -128,7 +128,7 @@ class Ours:
     def __init__(self, curve: dict[int, float], known: bool):
         d = build_request("-", method=PRESETS[DEFAULT_PRESET].method).drafting
         self.policy = SpecPolicy(PolicyConfig.of(d), target_step_ms=curve[1], verify_ms=dict(curve) if known else {})
-        self.lookup = NgramProposer(d.hybrid_min_match, max(d.ngram_max, d.hybrid_min_match))  # as the backend
+        self.lookup = HybridProposer.lookup_for(d)  # as the backend
 
     def __call__(self, trace: Trace, i: int, budget: int) -> tuple[list[int], str]:
         """The drafts of the step after output[:i], and who drafted them, as HybridProposer.propose would."""

@@ -226,23 +226,26 @@ def test_workbench_page_refuses_an_oversized_upload(backend, tmp_path):
 
 # --- the Run tab: a bounded number of runs wait -----------------------------------------------------------------------
 
+# a small run's form values, in RunForm's order, as the page sends them
+RUN_FORM = astuple(RunForm(prompt="hello", category="code", method="draft", k=2, dynamic_k=False, confidence=0.0,
+                           draft_vocab=0, fallback=False, temperature=0.0, top_p=1.0, max_new=4, seed=0, mode="fair",
+                           show_rejected=False, compare_with=[]))
+
+
 def test_run_tab_refuses_a_run_beyond_the_waiting_limit(backend, tmp_path):
     history = History(tmp_path / "h.db")
     host = ready_host(backend)
     run = page_fn(host, history, "run")
     # the handler must be reachable by one more run than may wait, or gradio queues the extra ones unseen
     assert run.concurrency_limit >= limits.MAX_QUEUED_RUNS + 2
-    form = astuple(RunForm(prompt="hello", category="code", method="draft", k=2, dynamic_k=False, confidence=0.0,
-                           draft_vocab=0, fallback=False, temperature=0.0, top_p=1.0, max_new=4, seed=0, mode="fair",
-                           show_rejected=False, compare_with=[]))  # as the page sends them
     waiting = []
     host.lock.acquire()  # a run in progress
     try:
         for i in range(limits.MAX_QUEUED_RUNS):
-            gen = run.fn(*form, request=gr.Request(session_hash=f"s{i}"))
+            gen = run.fn(*RUN_FORM, request=gr.Request(session_hash=f"s{i}"))
             assert "Queued behind another run" in str(next(gen))
             waiting.append(gen)
-        extra = run.fn(*form, request=gr.Request(session_hash="one-too-many"))
+        extra = run.fn(*RUN_FORM, request=gr.Request(session_hash="one-too-many"))
         refusal = str(next(extra))
         assert f"{limits.MAX_QUEUED_RUNS} runs are already waiting" in refusal
         with pytest.raises(StopIteration):
@@ -263,11 +266,8 @@ def test_a_run_whose_comparison_cannot_start_frees_the_engines(backend, tmp_path
     def dead():
         raise RuntimeError("the engine process has died")
     monkeypatch.setattr(backend, "describe", dead)
-    form = astuple(RunForm(prompt="hello", category="code", method="draft", k=2, dynamic_k=False, confidence=0.0,
-                           draft_vocab=0, fallback=False, temperature=0.0, top_p=1.0, max_new=4, seed=0, mode="fair",
-                           show_rejected=False, compare_with=[]))
     with pytest.raises(RuntimeError, match="has died"):
-        list(run.fn(*form, request=gr.Request(session_hash="s")))
+        list(run.fn(*RUN_FORM, request=gr.Request(session_hash="s")))
     assert not host.lock.locked()
 
 

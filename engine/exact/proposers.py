@@ -21,6 +21,7 @@ from engine.sampling_params import SamplingParams
 from engine.exact.vocab import PrunedHead
 
 if TYPE_CHECKING:
+    from engine.drafting import Drafting
     from engine.exact.policy import DraftStop
     from engine.request import Request
 
@@ -178,9 +179,12 @@ class HybridProposer:
 
     @classmethod
     def build(cls, req: Request, draft: Draft | None) -> HybridProposer:
-        d = req.drafting
-        lookup = NgramProposer(d.hybrid_min_match, max(d.ngram_max, d.hybrid_min_match))
-        return cls(DraftModelProposer.build(req, draft), lookup)
+        return cls(DraftModelProposer.build(req, draft), cls.lookup_for(req.drafting))
+
+    @staticmethod
+    def lookup_for(d: Drafting) -> NgramProposer:
+        """The n-gram lookup a hybrid run trusts: matches of at least d.hybrid_min_match tokens."""
+        return NgramProposer(d.hybrid_min_match, max(d.ngram_max, d.hybrid_min_match))
 
     @property
     def generator(self) -> torch.Generator | None:
