@@ -1,7 +1,8 @@
 """The int4 target (engine.exact.grouped_int8.GroupedInt4Linear): the int8 kernel on a GGUF's own 4-bit codes. Each
 row of a pass is what a one-row pass gives it, the 4-bit layout holds what the 8-bit one would, the codes are exactly
-the file's, a Q4_K tensor's scale form (GroupedQ4KLinear) gives the float32 scales' bits, and greedy speculative
-output equals the baseline's, on a tiny model and on real weights."""
+the file's, a Q4_K tensor's scale form (GroupedQ4KLinear) gives the float32 scales' bits, a Q6_K tensor keeps its own
+codes and scales (GroupedQ6KLinear), and greedy speculative output equals the baseline's, on a tiny model and on real
+weights."""
 
 import copy
 import logging
@@ -12,8 +13,9 @@ import torch
 from torch import nn
 
 from engine.exact import grouped_int8
-from engine.exact.grouped_int8 import (GROUP, SUPER, GroupedInt4Linear, GroupedInt8Linear, GroupedQ4KLinear, blocked,
-                                       int4_of_gguf)
+from engine.exact.grouped_int8 import (GROUP, SUPER, GroupedInt4Linear, GroupedInt8Linear, GroupedQ4KLinear,
+                                       GroupedQ6KLinear, blocked, int4_of_gguf, six_bit_values)
+from engine.loading.gguf_dequant import SixBitTerms
 from engine.exact.optimize import convert_linears, finish, free_rows, linear_converter, prepare_draft
 from tests.conftest import CPU, perturbed, skip_or_fail, tiny_llama
 from tests.test_int8_target import ROWS, VNNI, reference
@@ -128,6 +130,58 @@ def test_the_q4_k_scale_form_gives_the_float32_scales_bits(shape, vnni):
         weights * 37 // 64, weights * 3 // 4]
 
 
+def q6_k_terms(n: int, k: int, seed: int) -> SixBitTerms:
+    """A random Q6_K tensor [n, k]'s terms: codes 0..63 (their extremes included), int8 sc (-128 and 127 included,
+    some zero), float16 d (some zero, some subnormal, some negative)."""
+    torch.manual_seed(seed)
+    code = torch.randint(0, 64, (n, k), dtype=torch.uint8)
+    code.view(-1)[::17], code.view(-1)[5::19] = 0, 63
+    sc = torch.randint(-128, 128, (n, k // 16), dtype=torch.int8)
+    sc.view(-1)[::9], sc.view(-1)[1::11], sc.view(-1)[2::13] = -128, 127, 0
+    d = torch.randn(n, k // (GROUP * SUPER)) * 1e-3
+    d.view(-1)[::7], d.view(-1)[3::11] = 0, 3e-6
+    return SixBitTerms(code, sc, d.half())
+
+
+def six_bit_reference(x: torch.Tensor, terms: SixBitTerms, bias: torch.Tensor) -> torch.Tensor:
+    """The Q6_K form's arithmetic: activations quantized per row and group of 32 (in float32, as the kernel does),
+    then the file's weights (exact in float64) times the quantized activations, in float64."""
+    rows = x.reshape(x.shape[0], -1, GROUP)
+    xscale = rows.abs().amax(-1) / 127
+    xq = torch.round(rows * torch.where(xscale > 0, 1 / xscale, 0)[..., None]).double()
+    weight = six_bit_values(terms).double().reshape(terms.code.shape[0], -1, GROUP)
+    return (torch.einsum("rgk,ngk->rng", xq, weight) * xscale.double()[:, None, :]).sum(-1) + bias.double()
+
+
+@pytest.mark.parametrize("vnni", VNNI)
+@pytest.mark.parametrize("shape", [(256, 40), (1536, 256), (8960, 1536), (1536, 8960)])  # (in, out)
+def test_the_q6_k_form_keeps_the_files_weights_and_gives_each_row_what_a_single_row_gives(shape, vnni):
+    """A Q6_K tensor's Linear holds its codes and scales as the file has them (26.25 bytes per 32 weights), computes
+    with exactly its weights, gives each row the bits a one-row pass gives it, and AVX2's kernel VNNI's bits."""
+    terms = q6_k_terms(shape[1], shape[0], seed=3)
+    linear = nn.Linear(*shape)
+    linear.weight.data = six_bit_values(terms)
+    layer = int4_of_gguf(linear, terms)
+    assert type(layer) is GroupedQ6KLinear and layer.code.shape[-1] == 384
+    assert all(torch.equal(mine, theirs) for mine, theirs in zip(layer.unblocked(), terms))
+    assert torch.equal(layer.dequantized(), linear.weight.data)
+    weights = shape[0] * -(-shape[1] // 16) * 16
+    assert sum(b.nbytes for n, b in layer.named_buffers() if n != "bias") == weights * 105 // 128
+    x = torch.randn(300, shape[0]) * torch.rand(300, 1) * 4
+    x[7] = 0  # a row of zeros: its scales are zero
+    layer.vnni = vnni
+    long = layer(x)
+    for rows in ROWS:
+        assert torch.equal(layer(x[:rows]), long[:rows]), f"a {rows}-row pass differs from a 300-row pass"
+    for i in range(0, 300, 23):
+        assert torch.equal(layer(x[i: i + 1]), long[i: i + 1]), f"row {i} alone differs"
+    if vnni:
+        layer.vnni = False
+        assert torch.equal(layer(x), long), "AVX2's kernel and VNNI's differ"
+    reference = six_bit_reference(x, terms, linear.bias.data)
+    assert torch.allclose(long.double(), reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+
+
 def test_the_converter_keeps_the_files_codes_and_falls_back_to_int8(caplog):
     torch.manual_seed(2)
     linear = nn.Linear(64, 48)
@@ -153,7 +207,14 @@ def test_the_converter_keeps_the_files_codes_and_falls_back_to_int8(caplog):
     with caplog.at_level(logging.WARNING):
         assert type(int4_of_gguf(linear, wrong)) is GroupedInt4Linear
     assert "scale terms do not give its scales" in caplog.text
-    # a float weight (a Q6_K tensor's) is not passed to int4_of_gguf: the int4 target's converter gives int8 codes
+    # a Q6_K tensor: its own codes and scales, unless they do not give back its weight
+    terms = q6_k_terms(48, 256, seed=2)
+    linear.weight.data = six_bit_values(terms)
+    assert type(int4_of_gguf(linear, terms)) is GroupedQ6KLinear
+    with caplog.at_level(logging.WARNING):
+        assert type(int4_of_gguf(linear, terms._replace(sc=terms.sc.flip(0)))) is GroupedInt8Linear
+    assert "Q6_K tensor's terms do not give back its weight" in caplog.text
+    # a float weight is not passed to int4_of_gguf: the int4 target's converter gives int8 codes
     assert linear_converter("target", torch.device("cpu"), precision="int4") is GroupedInt8Linear
 
 
@@ -195,6 +256,25 @@ def test_four_bit_groups_are_the_files_values_bitwise(model, qtype):
         assert torch.equal((d * sc.float()).view(torch.int32), scale.view(torch.int32))
         assert torch.equal((-(dmin * m.float())).view(torch.int32), low.view(torch.int32))
     assert four_bit_groups(data, 14) is None  # Q6_K: not 4-bit groups
+
+
+def test_six_bit_terms_are_the_files_values_bitwise():
+    """The default target's Q6_K tensors (its head, half its down projections): six_bit_terms' values are what the
+    dequantization gives, bit for bit."""
+    from engine.loading.gguf_dequant import dequantize, six_bit_terms
+    from engine.loading.gguf_load import tensor_index
+    from engine.loading.weights import gguf_model
+
+    gguf, meta = gguf_model("qwen2.5-coder-1.5b-instruct")
+    entries = [e for e in tensor_index(gguf, meta)["tensors"] if e["type"] == 14]
+    assert {e["name"] for e in entries} >= {"output.weight", "blk.0.ffn_down.weight"}
+    for entry in entries[:3]:
+        raw = np.memmap(gguf, dtype=np.uint8, mode="r", offset=entry["offset"], shape=(entry["nbytes"],))
+        data = raw.view(np.dtype(entry["dtype"])).reshape(entry["shape"])
+        terms = six_bit_terms(data, 14)
+        assert int(terms.code.max()) == 63 and terms.sc.dtype == torch.int8
+        assert torch.equal(six_bit_values(terms), torch.from_numpy(dequantize(data, 14)).reshape(terms.code.shape))
+    assert six_bit_terms(data, 12) is None  # Q4_K: four_bit_groups'
 
 
 def test_an_int4_gguf_target_is_stored_mapped_and_greedy_exact(tmp_path, monkeypatch):
@@ -291,15 +371,17 @@ def test_the_default_targets_q4_k_form_is_stored_mapped_and_gives_the_float32_sc
 
     gguf, meta = gguf_model("qwen2.5-coder-1.5b-instruct")
     convert = linear_converter("target", CPU, precision="int4")
-    compact = finish(load_gguf_model(gguf, meta, convert, four_bit=int4_of_gguf), "target")
-    floats = finish(load_gguf_model(gguf, meta, convert, four_bit=lambda linear, groups: int4_of_gguf(
-        linear, groups[:3])), "target")
+    compact = finish(load_gguf_model(gguf, meta, convert, own_codes=int4_of_gguf), "target")
+    floats = finish(load_gguf_model(gguf, meta, convert, own_codes=lambda linear, groups: int4_of_gguf(
+        linear, groups if isinstance(groups, SixBitTerms) else groups[:3])), "target")
     forms = [[type(m) for m in model.modules() if isinstance(m, GroupedInt8Linear)] for model in (compact, floats)]
     assert forms[0].count(GroupedQ4KLinear) > 100 and GroupedQ4KLinear not in forms[1]
-    assert [f is GroupedInt8Linear for f in forms[0]] == [f is GroupedInt8Linear for f in forms[1]]  # Q6_K: int8
+    assert forms[0].count(GroupedQ6KLinear) == forms[1].count(GroupedQ6KLinear) > 14  # the head, down projections
+    assert GroupedInt8Linear not in forms[0]  # every Linear on the file's own codes
     save(compact, tmp_path / "target.pt")
     mapped = finish(load_stored(tmp_path / "target.pt", meta), "target")
     assert type(mapped.model.layers[0].mlp.gate_proj) is GroupedQ4KLinear
+    assert type(mapped.lm_head) is GroupedQ6KLinear and type(mapped.model.layers[0].mlp.down_proj) is GroupedQ6KLinear
 
     tokenizer = AutoTokenizer.from_pretrained(meta)
     ids = tokenizer(PROMPTS[0])["input_ids"]

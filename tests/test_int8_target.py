@@ -134,18 +134,24 @@ def test_load_makes_an_int8_target_and_counts_its_bytes(tmp_path, smol_tokenizer
 
 
 def test_the_stored_form_is_mapped_next_time_and_computes_the_same(tmp_path, monkeypatch):
-    """A GGUF target in int8 is stored once in its running form; the next load maps it (nothing is quantized) and
-    gives the same logits bit for bit; a damaged file is built again. SmolLM2's GGUF: its head is tied."""
+    """A GGUF target in int8 is stored once in its running form, in place of the same GGUF's file of an older format;
+    the next load maps it (nothing is quantized) and gives the same logits bit for bit; a damaged file is built again.
+    SmolLM2's GGUF: its head is tied."""
     from engine.exact.forward import forward, new_cache
     from engine.exact import int8_store
     from engine.exact.models import load
+    from engine.loading.weights import gguf_model
 
     def logits(loaded):
         return forward(loaded.model, list(range(100, 140)), new_cache(loaded.model), keep=5)
 
     monkeypatch.setattr(int8_store, "cache_dir", lambda: tmp_path)
+    current = int8_store.store_path(gguf_model("smollm2-135m-instruct")[0], "int8")
+    older = current.with_name(current.name.replace(f"-v{int8_store.FORMAT}.pt", f"-v{int8_store.FORMAT - 1}.pt"))
+    older.parent.mkdir()
+    older.write_bytes(b"a file of an older format")
     built = load("smollm2-135m-instruct", "target", CPU, precision="int8")
-    [stored] = (tmp_path / "int8").glob("*.pt")
+    [stored] = (tmp_path / "int8").glob("*.pt")  # the older format's file is gone: nothing reads it again
     quantize_for_real = grouped_int8.quantize
 
     def refuse(*args, **kwargs):

@@ -13,7 +13,9 @@ start.
 "int4" (GroupedInt4Linear) runs the same arithmetic on 4-bit codes, two a byte: a GGUF's Q4_K and Q4_1 tensors keep
 their own codes, scales and lows (a group of 32 either way), so those Linears compute with exactly the file's weights.
 A Q4_K tensor's Linear (GroupedQ4KLinear) also keeps the file's form of its scales, which the kernel expands per group
-as the pass runs: 0.58 bytes a weight against 0.75, for the same bits.
+as the pass runs: 0.58 bytes a weight against 0.75, for the same bits. A Q6_K tensor's Linear (GroupedQ6KLinear) keeps
+its 6-bit codes and scales, one per 16 weights: 0.82 bytes a weight, as in the file, against 1.25 as int8 codes, and
+exactly the file's weights.
 
 What the int8 target computes is not the float32 model: the weights move by at most half a code step (a group's
 range / 240; a Q4_K group of the GGUF has 16 levels and lands on the codes exactly when it uses both its extremes),
@@ -35,6 +37,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from engine.loading.gguf_dequant import SixBitTerms
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +170,35 @@ def unnibbled(code: torch.Tensor) -> torch.Tensor:
     return torch.cat([pairs & 0x0F, pairs >> 4], dim=3).reshape(*code.shape[:2], -1)
 
 
+def six_bit(code: torch.Tensor) -> torch.Tensor:
+    """blocked_codes' codes [blocks, groups, 512], each 0..63, as the kernel's 6-bit layout [blocks, groups, 384]: per
+    half of the group (quads 4 h .. 4 h + 3) three vectors of 64 bytes [j, t], vector k holding the code of quad
+    4 h + k in its low 6 bits and bits 2 k, 2 k + 1 of quad 4 h + 3's in its top 2."""
+    quads = code.reshape(*code.shape[:2], 2, 4, 4 * LANES)  # [b, g, half, quad, j t]
+    last = quads[:, :, :, 3:]
+    tops = torch.cat([(last >> 2 * k) & 0x03 for k in range(3)], dim=3) << 6  # [b, g, half, k, j t]
+    return (quads[:, :, :, :3] | tops).reshape(*code.shape[:2], -1).contiguous()
+
+
+def unsix_bit(code: torch.Tensor) -> torch.Tensor:
+    """six_bit's inverse: [blocks, groups, 384] -> [blocks, groups, 512]."""
+    vectors = code.reshape(*code.shape[:2], 2, 3, 4 * LANES)  # [b, g, half, k, j t]
+    last = sum((vectors[:, :, :, k: k + 1] >> 6) << 2 * k for k in range(3))
+    return torch.cat([vectors & 0x3F, last], dim=3).reshape(*code.shape[:2], -1)
+
+
+def unblocked_codes(code: torch.Tensor, rows: int) -> torch.Tensor:
+    """blocked_codes' inverse: [blocks, groups, 512] -> [rows, K], the padding's rows dropped."""
+    blocks, groups, _ = code.shape
+    code = code.reshape(blocks, groups, GROUP // 4, LANES, 4).permute(0, 3, 1, 2, 4)  # [b, j, g, q, t]
+    return code.reshape(blocks * LANES, groups * GROUP)[:rows]
+
+
+def unlaned(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """by_lanes' inverse: [N16 / 16, columns, 16] -> [rows, columns]."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1])[:rows]
+
+
 class GroupedInt8Linear(nn.Module):
     """nn.Linear as weight codes 0..LEVELS in groups of GROUP; float32 in, float32 out (see the module docstring)."""
 
@@ -214,12 +247,8 @@ class GroupedInt8Linear(nn.Module):
 
     def unblocked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """code [N, K], scale and low [N, K / GROUP]: quantize's layout (for tests and error figures)."""
-        blocks, groups, width = self.code.shape
-        code = self.code if width == GROUP * LANES else unnibbled(self.code)
-        code = code.reshape(blocks, groups, GROUP // 4, LANES, 4).permute(0, 3, 1, 2, 4)  # [b, j, g, q, t]
-        code = code.reshape(blocks * LANES, groups * GROUP)[: self.out_features]
-        scale, low = (t.transpose(1, 2).reshape(blocks * LANES, groups)[: self.out_features] for t in self.scales())
-        return code, scale, low
+        code = self.code if self.code.shape[2] == GROUP * LANES else unnibbled(self.code)
+        return unblocked_codes(code, self.out_features), *(unlaned(t, self.out_features) for t in self.scales())
 
     def dequantized(self) -> torch.Tensor:
         """The weight [N, K] this layer stands for, in float32."""
@@ -294,14 +323,71 @@ class GroupedQ4KLinear(GroupedInt4Linear):
         return super().extra_repr() + ", Q4_K scales"
 
 
+class GroupedQ6KLinear(GroupedInt8Linear):
+    """A GGUF Q6_K tensor's Linear on its own terms (engine.loading.gguf_dequant.SixBitTerms): 6-bit codes q, and per
+    16 weights a scale s = float(d) * sc (float16 d per super-block of 256, int8 sc) that the kernel computes as the
+    pass runs, with w = s * (q - 32). 26.25 bytes per 32 weights, as in the file, against 40 for int8 codes of the
+    same weights (which only approximate them); a decoding step reads every weight once."""
+
+    kind, levels = "int6", 63
+
+    def __init__(self, linear: nn.Linear, terms: SixBitTerms):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        if self.in_features % (GROUP * SUPER):
+            raise ValueError(f"a Q6_K tensor's rows are super-blocks of {GROUP * SUPER}, not {self.in_features}")
+        self.register_buffer("code", six_bit(blocked_codes(terms.code)))
+        self.register_buffer("d", by_lanes(terms.d))  # [blocks, supers, 16] float16
+        self.register_buffer("sc", by_lanes(terms.sc))  # [blocks, 2 groups, 16] int8
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().contiguous())
+        self.vnni = kernel().vnni_supported()
+
+    @classmethod
+    def shell(cls, in_features: int, out_features: int, bias: bool) -> GroupedQ6KLinear:
+        layer = super().shell(in_features, out_features, bias)
+        blocks, groups = layer.code.shape[:2]
+        del layer.scale, layer.low
+        with torch.device("meta"):
+            layer.code = torch.empty(blocks, groups, GROUP * LANES * 3 // 4, dtype=torch.uint8)
+            layer.register_buffer("d", torch.empty(blocks, groups // SUPER, LANES, dtype=torch.float16))
+            layer.register_buffer("sc", torch.empty(blocks, 2 * groups, LANES, dtype=torch.int8))
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernel().linear(x, self.code, self.d, self.sc, self.bias, self.out_features, self.vnni)
+
+    def unblocked(self) -> SixBitTerms:
+        """The terms it was built from, in row order."""
+        rows = self.out_features
+        return SixBitTerms(unblocked_codes(unsix_bit(self.code), rows), unlaned(self.sc, rows), unlaned(self.d, rows))
+
+    def dequantized(self) -> torch.Tensor:
+        return six_bit_values(self.unblocked())
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", Q6_K codes and scales"
+
+
+def six_bit_values(terms: SixBitTerms) -> torch.Tensor:
+    """The weight [N, K] float32 that a Q6_K tensor's terms stand for, in _q6_k's float32 steps."""
+    scale = terms.d.float().repeat_interleave(SUPER * 2, dim=1) * terms.sc.float()  # [N, K / 16]
+    centred = terms.code.view(torch.int8) - 32
+    return (scale[..., None] * centred.reshape(*scale.shape, GROUP // 2).float()).reshape(terms.code.shape)
+
+
 def int4_of_gguf(linear: nn.Linear, groups: tuple[torch.Tensor, ...]) -> GroupedInt8Linear:
-    """The int4 target's converter for a Linear whose weight came from a GGUF Q4_K or Q4_1 tensor, given that tensor's
-    four_bit_groups (engine.loading.gguf_load passes them): it keeps the file's own 4-bit codes, and a Q4_K tensor's
-    scales in the file's form (GroupedQ4KLinear); any other Linear of the int4 target (Q6_K, float) is a
-    GroupedInt8Linear. The groups are used only if they give back the loaded weight bitwise (a loader that reorders
-    rows would not); else int8 codes."""
-    code, scale, low, *terms = groups
+    """The int4 target's converter for a Linear whose weight came from a GGUF Q4_K, Q4_1 or Q6_K tensor, given that
+    tensor's four_bit_groups or SixBitTerms (engine.loading.gguf_load passes them): it keeps the file's own codes,
+    and a Q4_K tensor's scales in the file's form (GroupedQ4KLinear); any other Linear of the int4 target (a float
+    one) is a GroupedInt8Linear. The groups are used only if they give back the loaded weight bitwise (a loader that
+    reorders rows would not); else int8 codes."""
     weight = linear.weight.detach()
+    if isinstance(groups, SixBitTerms):
+        if weight.shape[1] % (GROUP * SUPER) == 0 and torch.equal(six_bit_values(groups), weight):
+            return GroupedQ6KLinear(linear, groups)
+        log.warning("a Q6_K tensor's terms do not give back its weight (%s): int8 codes instead", tuple(weight.shape))
+        return GroupedInt8Linear(linear)
+    code, scale, low, *terms = groups
     values = code.float().reshape(*scale.shape, GROUP) * scale[..., None] + low[..., None]
     if not torch.equal(values.reshape(weight.shape), weight):
         log.warning("a 4-bit tensor's groups do not give back its weight (%s): int8 codes instead", tuple(weight.shape))

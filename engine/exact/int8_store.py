@@ -5,8 +5,9 @@ a start for the 1.5B target. The first such load saves the model's tensors (the 
 the norms, the embedding's GGUF rows) to <cache>/<form>/<gguf name>-<size>-v<FORMAT>.pt; later loads build the
 model empty and map that file (torch.load(mmap=True)): nothing is computed. LocalBackend.from_preset then reads the
 Linears' bytes into huge pages (engine.exact.huge_pages); the embedding's rows stay mapped, read as tokens need
-them. A file that does not load is rebuilt. An int4 target's file also lists its Linears with 4-bit codes,
-and those of them with a Q4_K tensor's scale form.
+them. A file that does not load is rebuilt, and storing a file removes the same GGUF's files of older formats. An
+int4 target's file also lists its Linears with 4-bit codes, those of them with a Q4_K tensor's scale form, and those
+with a Q6_K tensor's codes and scales.
 
 Beside such a target the draft's load is the longest part of a start, so the draft is stored too (form
 "draft-int8" beside an int8 target, "draft-int4" beside an int4 one), its file listing each Linear's form: torch's
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
-from engine.exact.grouped_int8 import GroupedInt4Linear, GroupedInt8Linear, GroupedQ4KLinear
+from engine.exact.grouped_int8 import GroupedInt4Linear, GroupedInt8Linear, GroupedQ4KLinear, GroupedQ6KLinear
 from engine.exact.optimize import Int4Draft, dynamic_int8_shell
 from engine.loading.gguf_load import GGUFEmbedding, _parent, _rebuild_meta_buffers, empty_model, meta_tensors
 from engine.cache import cache_dir
@@ -38,9 +39,9 @@ log = logging.getLogger(__name__)
 # a draft's Linear forms by their names in the stored file: (the type, an empty one of a shape for load_state_dict)
 DRAFT_FORMS = {"dynamic-int8": (DynamicLinear, dynamic_int8_shell), "int4-draft": (Int4Draft, Int4Draft.shell)}
 
-# bump when grouped_int8's layout or quantization changes: older files are then not read (2: an int4 target's Q4_K
-# Linears keep the file's scale form; a version 1 file, still read, would keep their float32 scales)
-FORMAT = 2
+# bump when grouped_int8's layout or quantization changes: older files are then not read (3: an int4 target's Q6_K
+# Linears keep the file's codes and scales; a version 2 file, still readable, would give them int8 codes)
+FORMAT = 3
 
 
 def store_path(gguf: Path, precision: str = "int8") -> Path:
@@ -71,6 +72,7 @@ def save(model: nn.Module, path: Path) -> None:
                   for name, m in model.named_modules() if isinstance(m, GGUFEmbedding)}
     int4 = [name for name, m in model.named_modules() if isinstance(m, GroupedInt4Linear)]
     int4_k = [name for name, m in model.named_modules() if isinstance(m, GroupedQ4KLinear)]
+    int6_k = [name for name, m in model.named_modules() if isinstance(m, GroupedQ6KLinear)]
     form_names = {form: name for name, (form, _) in DRAFT_FORMS.items()}
     draft = {name: form_names[type(m)] for name, m in model.named_modules() if type(m) in form_names}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -79,10 +81,13 @@ def save(model: nn.Module, path: Path) -> None:
     log.info("storing the running form in %s (read at the next start instead of computed)", path)
     try:
         torch.save({"state": model.state_dict(), "embeddings": embeddings, "int4": int4, "int4_k": int4_k,
-                    "draft": draft}, partial)
+                    "int6_k": int6_k, "draft": draft}, partial)
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
+    for older in path.parent.glob(f"{path.name.rpartition('-v')[0]}-v*.pt"):  # files of other formats: never read
+        if older != path:
+            older.unlink(missing_ok=True)
 
 
 def load_stored(path: Path, meta_dir: Path, mmap: bool = True) -> nn.Module:
@@ -94,7 +99,7 @@ def load_stored(path: Path, meta_dir: Path, mmap: bool = True) -> nn.Module:
 
     stored = torch.load(path, mmap=mmap, weights_only=True)
     state, int4, draft = stored["state"], set(stored.get("int4", ())), stored.get("draft", {})
-    int4_k = set(stored.get("int4_k", ()))
+    int4_k, int6_k = set(stored.get("int4_k", ())), set(stored.get("int6_k", ()))
     model = empty_model(meta_dir)
     for name, module in list(model.named_modules()):
         parent, attr = _parent(model, name) if name else (None, "")
@@ -103,8 +108,8 @@ def load_stored(path: Path, meta_dir: Path, mmap: bool = True) -> nn.Module:
             if name in draft:
                 _, form = DRAFT_FORMS[draft[name]]
             else:
-                form = (GroupedQ4KLinear if name in int4_k else GroupedInt4Linear if name in int4
-                        else GroupedInt8Linear).shell
+                form = (GroupedQ4KLinear if name in int4_k else GroupedQ6KLinear if name in int6_k
+                        else GroupedInt4Linear if name in int4 else GroupedInt8Linear).shell
             setattr(parent, attr, form(*shape))
         elif name in stored["embeddings"]:
             info = stored["embeddings"][name]  # its rows stay in the file's tensor (mapped, for a target)

@@ -138,7 +138,7 @@ def _load_gguf(spec: str, role: str, device: torch.device, int8: bool, min_rows:
         if role == "target" and precision in ("int8", "int4"):  # stored in its running form once, then mapped
             model = load_or_build(gguf, meta, lambda: load_gguf_model(
                 gguf, meta, convert, on_progress=on_progress,
-                four_bit=int4_of_gguf if precision == "int4" else None), precision)
+                own_codes=int4_of_gguf if precision == "int4" else None), precision)
         elif role == "draft" and int8 and device.type == "cpu" and precision in ("int8", "int4"):
             # beside a mapped target the draft's load is the start's longest; beside float32 the target's packing
             # is, and storing the draft did not shorten the start (docs/memory.md, 2026-12-03)

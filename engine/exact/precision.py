@@ -14,7 +14,8 @@ some tokens.
 "int8" (engine.exact.grouped_int8) goes further with a kernel of our own: weight codes 0..120 in groups of 32 and
 activations quantized per row and group, like llama.cpp. "int4" runs the same kernel on a GGUF's 4-bit tensors
 (Q4_K, Q4_1) in their own codes (exactly the file's weights, 0.75 bytes a weight; a Q4_K tensor's 0.58, its scales
-in the file's form) and on its other tensors in int8 codes. torch's own weight-only int8 (aten._weight_int8pack_mm)
+in the file's form), its Q6_K tensors in their own 6-bit codes and scales (0.82 bytes a weight), and any other
+tensor in int8 codes. torch's own weight-only int8 (aten._weight_int8pack_mm)
 does not pay: vectorized on x86 only for bfloat16 and float16 activations, a scalar loop for float32 ones (`python -m
 benchmarks.target_precision`), and not per-row exact with per-batch activation scales.
 """

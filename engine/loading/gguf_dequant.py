@@ -9,6 +9,8 @@ the temporaries stay small. Block layouts are ggml's (ggml-common.h); types we d
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -88,6 +90,30 @@ def four_bit_groups(raw: np.ndarray, qtype: int) -> tuple[torch.Tensor, ...] | N
     qs = (b[:, 16:].reshape(n, 4, 1, 32) >> _shifts(0, 4).reshape(1, 1, 2, 1)) & 0x0F  # [n, 4, 2, 32]
     scale, low = d.float() * sc.float(), -(dmin.float() * mn.float())  # [n, 8]
     return tuple(t.reshape(rows, -1) for t in (qs, scale, low, d, dmin, sc, mn))
+
+
+class SixBitTerms(NamedTuple):
+    """A Q6_K tensor's own terms (for engine.exact.grouped_int8.GroupedQ6KLinear): w = (float(d) * sc) * (q - 32)
+    for the 16 weights of each scale, bitwise _q6_k's values."""
+
+    code: torch.Tensor  # q [N, K] uint8 in 0..63
+    sc: torch.Tensor  # [N, K / 16] int8
+    d: torch.Tensor  # [N, K / 256] float16
+
+
+def six_bit_terms(raw: np.ndarray, qtype: int) -> SixBitTerms | None:
+    """A Q6_K tensor's bytes [N, bytes per row] as its SixBitTerms; None for other types."""
+    if int(qtype) != 14:
+        return None
+    rows = raw.shape[0]
+    b = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(-1, KERNELS[14][1]))  # [n blocks, 210]
+    n = b.shape[0]
+    ql = (b[:, :128].reshape(n, 2, 1, 64) >> _shifts(0, 4).reshape(1, 1, 2, 1)) & 0x0F  # [n, 2, 2, 64]
+    qh = (b[:, 128:192].reshape(n, 2, 1, 32) >> _shifts(0, 2, 4, 6).reshape(1, 1, 4, 1)) & 0x03  # [n, 2, 4, 32]
+    code = ql.reshape(n, QK_K) | (qh.reshape(n, QK_K) << 4)
+    sc = b[:, 192:208].contiguous().view(torch.int8)
+    d = b[:, 208:210].contiguous().view(torch.float16)
+    return SixBitTerms(code.reshape(rows, -1), sc.reshape(rows, -1), d.reshape(rows, -1))
 
 
 def _q6_k(b: torch.Tensor) -> torch.Tensor:  # 128 bytes low 4 bits | 64 bytes high 2 bits | 16 int8 scales | d f16

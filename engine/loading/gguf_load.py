@@ -23,13 +23,13 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from engine.loading.gguf_dequant import dequantize, four_bit_groups
+from engine.loading.gguf_dequant import SixBitTerms, dequantize, four_bit_groups, six_bit_terms
 
 log = logging.getLogger(__name__)
 
 Convert = Callable[[nn.Linear], nn.Module]  # a complete float32 Linear -> what the model runs (packed, int8, itself)
 # the same, for a Linear whose weight is a 4-bit GGUF tensor, with that tensor's (codes, scales, lows)
-FourBitConvert = Callable[[nn.Linear, tuple[torch.Tensor, ...]], nn.Module]
+OwnCodesConvert = Callable[[nn.Linear, tuple[torch.Tensor, ...]], nn.Module]
 
 
 class GGUFEmbedding(nn.Module):
@@ -95,11 +95,11 @@ def _complete(module: nn.Module) -> bool:
 
 def load_gguf_model(
     gguf: Path, meta_dir: Path, convert: Convert, embed_quantized: bool = True,
-    on_progress: Callable[[str, float, float], None] | None = None, four_bit: FourBitConvert | None = None,
+    on_progress: Callable[[str, float, float], None] | None = None, own_codes: OwnCodesConvert | None = None,
 ) -> nn.Module:
     """A transformers causal LM (config from `meta_dir`) with its weights from `gguf`, Linears passed to `convert`.
-    `four_bit`: where given, a Linear whose weight is a 4-bit tensor (Q4_K, Q4_1) is passed to it instead, with that
-    tensor's own codes, scales and lows (gguf_dequant.four_bit_groups), for the int4 target's converter."""
+    `own_codes`: where given, a Linear whose weight is a Q4_K, Q4_1 or Q6_K tensor is passed to it instead, with that
+    tensor's own codes and scales (gguf_dequant.four_bit_groups, six_bit_terms), for the int4 target's converter."""
     from gguf import GGMLQuantizationType
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
@@ -114,7 +114,7 @@ def load_gguf_model(
     head_name = next((n for n, m in linears.items() if m is model.get_output_embeddings()), None)
     file = np.memmap(gguf, dtype=np.uint8, mode="r")
 
-    groups: dict[str, tuple[torch.Tensor, ...]] = {}  # a Linear's 4-bit groups, for four_bit
+    groups: dict[str, tuple[torch.Tensor, ...]] = {}  # a Linear's own codes and scales, for own_codes
 
     def finish_linear(name: str, weight: torch.Tensor | None = None) -> None:
         linear = linears.pop(name)
@@ -123,7 +123,7 @@ def load_gguf_model(
         if _complete(linear):
             parent, attr = _parent(model, name)
             own = groups.pop(name, None)
-            setattr(parent, attr, convert(linear) if own is None else four_bit(linear, own))
+            setattr(parent, attr, convert(linear) if own is None else own_codes(linear, own))
         else:
             linears[name] = linear
 
@@ -139,7 +139,9 @@ def load_gguf_model(
     def to_float(entry) -> torch.Tensor:
         return processed(dequantize(data(entry), entry["type"]), entry)  # dequantize's own memory: nothing stays mapped
 
-    def groups_of(entry) -> tuple[torch.Tensor, ...] | None:  # a 4-bit tensor's codes, scales and lows, in row order
+    def groups_of(entry) -> tuple[torch.Tensor, ...] | None:  # a tensor's own codes and scales, in row order
+        if (six := six_bit_terms(data(entry), entry["type"])) is not None:
+            return SixBitTerms(*(processed(t.numpy(), entry) for t in six))
         groups = four_bit_groups(data(entry), entry["type"])
         return None if groups is None else tuple(processed(t.numpy(), entry) for t in groups)
 
@@ -174,7 +176,7 @@ def load_gguf_model(
             if tied and head_name in linears:  # the tied head is the one float32 copy of the matrix
                 finish_linear(head_name, dequantized(entry))
         elif module_name in linears:
-            if four_bit is not None and attr == "weight" and (own := groups_of(entry)) is not None:
+            if own_codes is not None and attr == "weight" and (own := groups_of(entry)) is not None:
                 groups[module_name] = own
             setattr(linears[module_name], attr, nn.Parameter(dequantized(entry), requires_grad=False))
             finish_linear(module_name)
