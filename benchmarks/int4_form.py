@@ -6,8 +6,8 @@
   per super-block, a byte of sc and m per group) against float32 scale and low per group (GroupedInt4Linear) on the
   same codes (the same memory): the same bits from fewer bytes.
 The second model is the first with those Linears replaced: every other tensor is shared, so the two differ only
-there. (Two separately loaded copies of one form differed by 3 % on this machine, 2026-12-06: where a model's memory
-lies matters at that level.)
+there. (Two separately loaded copies of one form differed by 3 % on a 2-core AMD EPYC Zen 4, 2026-12-06: where a
+model's memory lies matters at that level.)
 
     python -m benchmarks.int4_form                          # the console's target, 20 rounds
     python -m benchmarks.int4_form --against q4_k-float32 --rounds 30 --burst 5 --context 300
@@ -58,7 +58,7 @@ def float32_scales(layer: GroupedQ4KLinear) -> GroupedInt4Linear:
 
 
 def int8_codes(layer: GroupedQ6KLinear) -> GroupedInt8Linear:
-    """The layer's weights as int8 codes, as the int4 target had them before it kept a Q6_K tensor's own."""
+    """The layer's weights as int8 codes: what int4_of_gguf falls back to for a tensor whose terms it cannot use."""
     linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
     linear.weight.data = layer.dequantized()
     if layer.bias is not None:

@@ -22,7 +22,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the target's weights: auto (the default: int4 where its kernel runs, else float32), "
                         "float32 (the reference), float16 on CPU (half the bytes to read per token), int8 "
                         "on an x86 CPU (llama.cpp's arithmetic, a third of the bytes; compiled on first use) or int4 "
-                        "(int8's kernel on the GGUF's own 4-bit codes, the rest int8); speculative output still "
+                        "(int8's kernel on the GGUF's own 4-bit and 6-bit codes); speculative output still "
                         "equals the baseline's, both may part from float32's")
     p.add_argument("--target", help="target model instead of the preset's: a model directory or a .gguf file")
     p.add_argument("--draft", help="draft model instead of the preset's (same tokenizer as the target)")

@@ -109,11 +109,11 @@ def new_page(browser):
         context.close()
 
 
-def click_run(page) -> None:
+def click_run(page, timeout_s: float = 30) -> None:
     """Press Run and wait until the panels have let go of the previous run (their status no longer counts tokens)."""
     page.click("#run")
     page.wait_for_function("() => !document.querySelector('#baseline-panel .panel-status').textContent"
-                           ".includes('tokens')", timeout=30_000)
+                           ".includes('tokens')", timeout=timeout_s * 1000)
 
 
 def wait_for_run(page, timeout_s: float = 240) -> None:
@@ -384,7 +384,7 @@ def test_a_killed_engine_process_fails_the_run_in_the_page_and_the_next_run_gets
     assert saved >= 20
 
     set_run(page, "Name three colours.", 16)
-    click_run(page)
+    click_run(page, timeout_s=120)  # this Run first starts a fresh engine process, which loads the models
     wait_for_run(page)
     fresh = engine_process(c.proc.pid)
     assert fresh.pid != engines.pid and "identical" in page.inner_text("#figures")

@@ -147,11 +147,18 @@ def test_the_stored_form_is_mapped_next_time_and_computes_the_same(tmp_path, mon
 
     monkeypatch.setattr(int8_store, "cache_dir", lambda: tmp_path)
     current = int8_store.store_path(gguf_model("smollm2-135m-instruct")[0], "int8")
-    older = current.with_name(current.name.replace(f"-v{int8_store.FORMAT}.pt", f"-v{int8_store.FORMAT - 1}.pt"))
+    stem = current.name.removesuffix(f"-v{int8_store.FORMAT}.pt")
+    older, newer, others = (current.with_name(f"{stem}-v{int8_store.FORMAT - 1}.pt"),
+                            current.with_name(f"{stem}-v{int8_store.FORMAT + 1}.pt"),
+                            [current.with_name(f"another-{stem}-v1.pt"), current.with_name(f"{stem}-v1-notes.pt")])
     older.parent.mkdir()
-    older.write_bytes(b"a file of an older format")
+    for path in (older, newer, *others):
+        path.write_bytes(b"a file this checkout does not read")
     built = load("smollm2-135m-instruct", "target", CPU, precision="int8")
-    [stored] = (tmp_path / "int8").glob("*.pt")  # the older format's file is gone: nothing reads it again
+    stored = current
+    # the older format's file is gone (nothing reads it again); a newer format's and other GGUFs' files stay
+    assert sorted(p.name for p in (tmp_path / "int8").glob("*.pt")) == sorted(
+        p.name for p in (current, newer, *others))
     quantize_for_real = grouped_int8.quantize
 
     def refuse(*args, **kwargs):

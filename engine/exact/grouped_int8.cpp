@@ -23,9 +23,9 @@
 //
 // The Q6_K form (int6 layers: a GGUF Q6_K tensor's own codes and scales) has w = s * (q - 32), q in 0..63, with one
 // scale s = float(d) * sc per 16 weights (fp16 d per super-block of 256, int8 sc). A block and group hold 384 bytes,
-// per half of the group (quads 4 h .. 4 h + 3, 16 weights) three vectors [k][j][t] (k in 0..2) whose byte holds the
-// code of quad 4 h + k in its low 6 bits and bits 2 k, 2 k + 1 of the code of quad 4 h + 3 in its top 2: three codes
-// come out with one mask each, the fourth from the three top pairs. Each half has its own integer sum, of
+// per half of the group (quads 4 half .. 4 half + 3, 16 weights) three vectors [k][j][t] (k in 0..2) whose byte holds
+// the code of quad 4 half + k in its low 6 bits and bits 2 k, 2 k + 1 of the code of quad 4 half + 3 in its top 2:
+// three codes come out with one mask each, the fourth from the three top pairs. Each half has its own integer sum, of
 // (q - 32) * xq: the sum of q * xq less 32 times the activations' sum over those 16 (computed with the activations).
 // Scales: d at [s][j], sc at [2 g + half][j]. 26.25 bytes per 32 weights, as in the file, against the 8-bit layout's 40.
 //

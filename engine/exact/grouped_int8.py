@@ -172,8 +172,8 @@ def unnibbled(code: torch.Tensor) -> torch.Tensor:
 
 def six_bit(code: torch.Tensor) -> torch.Tensor:
     """blocked_codes' codes [blocks, groups, 512], each 0..63, as the kernel's 6-bit layout [blocks, groups, 384]: per
-    half of the group (quads 4 h .. 4 h + 3) three vectors of 64 bytes [j, t], vector k holding the code of quad
-    4 h + k in its low 6 bits and bits 2 k, 2 k + 1 of quad 4 h + 3's in its top 2."""
+    half of the group (quads 4 half .. 4 half + 3) three vectors of 64 bytes [j, t], vector k holding the code of quad
+    4 half + k in its low 6 bits and bits 2 k, 2 k + 1 of quad 4 half + 3's in its top 2."""
     quads = code.reshape(*code.shape[:2], 2, 4, 4 * LANES)  # [b, g, half, quad, j t]
     last = quads[:, :, :, 3:]
     tops = torch.cat([(last >> 2 * k) & 0x03 for k in range(3)], dim=3) << 6  # [b, g, half, k, j t]
@@ -356,6 +356,9 @@ class GroupedQ6KLinear(GroupedInt8Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernel().linear(x, self.code, self.d, self.sc, self.bias, self.out_features, self.vnni)
 
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        raise TypeError("a Q6_K layer has a scale per 16 weights and no low: unblocked() gives its terms")
+
     def unblocked(self) -> SixBitTerms:
         """The terms it was built from, in row order."""
         rows = self.out_features
@@ -375,6 +378,14 @@ def six_bit_values(terms: SixBitTerms) -> torch.Tensor:
     return (scale[..., None] * centred.reshape(*scale.shape, GROUP // 2).float()).reshape(terms.code.shape)
 
 
+def gives_back(terms: SixBitTerms, weight: torch.Tensor, chunk: int = 4096) -> bool:
+    """Whether the terms' values are `weight` bit for bit; `chunk` rows at a time (the output layer's full-size
+    temporaries would be 2 GB)."""
+    return weight.shape[1] % (GROUP * SUPER) == 0 and all(
+        torch.equal(six_bit_values(SixBitTerms(*(t[i: i + chunk] for t in terms))), weight[i: i + chunk])
+        for i in range(0, weight.shape[0], chunk))
+
+
 def int4_of_gguf(linear: nn.Linear, groups: tuple[torch.Tensor, ...]) -> GroupedInt8Linear:
     """The int4 target's converter for a Linear whose weight came from a GGUF Q4_K, Q4_1 or Q6_K tensor, given that
     tensor's four_bit_groups or SixBitTerms (engine.loading.gguf_load passes them): it keeps the file's own codes,
@@ -383,7 +394,7 @@ def int4_of_gguf(linear: nn.Linear, groups: tuple[torch.Tensor, ...]) -> Grouped
     reorders rows would not); else int8 codes."""
     weight = linear.weight.detach()
     if isinstance(groups, SixBitTerms):
-        if weight.shape[1] % (GROUP * SUPER) == 0 and torch.equal(six_bit_values(groups), weight):
+        if gives_back(groups, weight):
             return GroupedQ6KLinear(linear, groups)
         log.warning("a Q6_K tensor's terms do not give back its weight (%s): int8 codes instead", tuple(weight.shape))
         return GroupedInt8Linear(linear)

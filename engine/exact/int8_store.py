@@ -19,8 +19,10 @@ stored: the target's packing is the longer load there, and storing the draft did
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -85,8 +87,18 @@ def save(model: nn.Module, path: Path) -> None:
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
-    for older in path.parent.glob(f"{path.name.rpartition('-v')[0]}-v*.pt"):  # files of other formats: never read
-        if older != path:
+    remove_older_formats(path)
+
+
+def remove_older_formats(path: Path) -> None:
+    """Delete the same GGUF's stored files of older formats beside `path`: this checkout never reads them (an older one
+    that shares the cache builds its own again); a newer format's file stays for the checkout that wrote it."""
+    stem, _, version = path.name.rpartition("-v")
+    if not stem or version != f"{FORMAT}.pt":
+        return
+    for older in path.parent.glob(f"{glob.escape(stem)}-v*.pt"):
+        found = re.fullmatch(rf"{re.escape(stem)}-v(\d+)\.pt", older.name)
+        if found and int(found.group(1)) < FORMAT:
             older.unlink(missing_ok=True)
 
 

@@ -217,7 +217,7 @@ def linear_converter(role: str, device: torch.device, min_rows: int = MIN_ROWS, 
         check_precision(precision, device)
         if precision == "float16":
             return HalfLinear
-        if precision in ("int8", "int4"):  # int4: engine.loading passes a 4-bit GGUF tensor's Linears to int4_of_gguf
+        if precision in ("int8", "int4"):  # int4: engine.loading passes Q4_K, Q4_1 and Q6_K Linears to int4_of_gguf
             return GroupedInt8Linear
     if role == "target" and cpu and torch.backends.mkldnn.is_available():
         return lambda linear: PackedLinear(linear, min_rows)

@@ -28,7 +28,7 @@ from engine.loading.gguf_dequant import SixBitTerms, dequantize, four_bit_groups
 log = logging.getLogger(__name__)
 
 Convert = Callable[[nn.Linear], nn.Module]  # a complete float32 Linear -> what the model runs (packed, int8, itself)
-# the same, for a Linear whose weight is a 4-bit GGUF tensor, with that tensor's (codes, scales, lows)
+# the same, for a Linear whose weight is a Q4_K, Q4_1 or Q6_K tensor, with that tensor's own codes and scales
 OwnCodesConvert = Callable[[nn.Linear, tuple[torch.Tensor, ...]], nn.Module]
 
 
