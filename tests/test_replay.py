@@ -227,7 +227,7 @@ def test_replay_in_chromium_offline(real_run, browser, tmp_path):
     drafting = next(s for s in results["speculative"].steps if s.drafted)
     tip = page.locator("#chart-time g[data-engine='speculative'] > g > title").nth(
         results["speculative"].steps.index(drafting)).text_content()
-    # the page rounds the payload's values (3 decimals) half up to 1, Python's format half to even: compare numbers
+    # the page formats the payload's values, already rounded to 3 decimals (11.7496 -> 11.75 -> "11.8"): compare numbers
     shown = re.fullmatch(r"step (\d+): drafting ([\d.]+) ms, target pass ([\d.]+) ms, other .+", tip)
     assert shown and int(shown[1]) == drafting.step, tip
     for text, value in ((shown[2], drafting.draft_ms), (shown[3], drafting.verify_ms)):
