@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from engine.exact import proposers
 from engine.exact.proposers import DraftModelProposer
 from engine.exact.forward import forward, move_position, new_cache, rollback
 from engine.exact.optimize import prepare_target
@@ -51,30 +52,27 @@ def test_target_cache_after_rejection(tiny_pair):
     torch.testing.assert_close(after, fresh, rtol=0, atol=1e-5)
 
 
-def test_draft_cache_rolls_back_and_never_reruns(tiny_pair):
+def test_draft_cache_rolls_back_and_never_reruns(tiny_pair, monkeypatch):
     target, draft = tiny_pair
     proposer = DraftModelProposer(draft, 512, SamplingParams(), None)
     calls = []
-    original = draft.forward
 
-    def counting_forward(*args, **kwargs):
-        calls.append(kwargs["input_ids"].shape[1])
-        return original(*args, **kwargs)
+    def counting_forward(model, ids, *args, **kwargs):  # the tokens each draft pass feeds
+        calls.append(len(ids))
+        return forward(model, ids, *args, **kwargs)
 
-    draft.forward = counting_forward
-    try:
-        ids = PROMPT + [11]
-        proposal = proposer.propose(ids, 4)
-        assert calls == [len(ids), 1, 1, 1]  # prefill, then one token per further draft
-        # the target keeps 2 drafts and adds its own token
-        committed = ids + proposal.ids[:2] + [300]
-        calls.clear()
-        proposer.propose(committed, 3)
-        assert calls[0] == 1  # only the new token: the kept drafts were already in the draft's cache
-        calls.clear()
-        proposer.update(committed)
-    finally:
-        del draft.forward
+    monkeypatch.setattr(proposers, "forward", counting_forward)
+    ids = PROMPT + [11]
+    proposal = proposer.propose(ids, 4)
+    assert calls == [len(ids), 1, 1, 1]  # prefill, then one token per further draft
+    # the target keeps 2 drafts and adds its own token
+    committed = ids + proposal.ids[:2] + [300]
+    calls.clear()
+    proposer.propose(committed, 3)
+    assert calls[0] == 1  # only the new token: the kept drafts were already in the draft's cache
+    calls.clear()
+    proposer.update(committed)
+    monkeypatch.undo()
     assert proposer.cached == committed[: len(proposer.cached)]
     assert_same_cache(proposer.cache, fresh_cache(draft, proposer.cached))
 

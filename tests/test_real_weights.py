@@ -188,6 +188,20 @@ def test_pruned_int8_head_gives_the_full_heads_logits(smol_self_draft):
     assert torch.equal(forward(draft, ids, new_cache(draft), keep=2, head=head), full[:, head.ids])
 
 
+def test_the_plain_decoder_gives_the_models_own_bits_on_real_weights(smol_self_draft):
+    """engine.exact.decoder on SmolLM2 (a Llama): the float32 target and its int8 draft as the engines run them."""
+    from engine.exact import decoder
+    from engine.exact.forward import forward, new_cache
+    from tests.test_decoder import own_forward
+
+    ids = smol_self_draft.prompt_ids(Request(prompt=PROMPTS[0]))
+    for model in (smol_self_draft.target.model, smol_self_draft.draft.model):
+        assert decoder.runs(model)
+        ours, own = new_cache(model), new_cache(model)
+        for feed, keep in ((ids, 1), (ids[:1], 1), (ids[1:6], 5)):  # a prompt, a step, a verify pass
+            assert torch.equal(forward(model, feed, ours, keep), own_forward(model, feed, own, keep))
+
+
 @pytest.mark.parametrize("precision", ["int8", "int4"])
 def test_the_draft_is_stored_in_its_running_form_and_read_next_time(tmp_path, monkeypatch, precision):
     """Beside a stored target, the int8 draft (beside an int4 target: Int4Draft, the int4 kernel's codes and torch's

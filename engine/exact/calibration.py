@@ -7,12 +7,13 @@ once here, in a quiet moment, and stored, they make the same request draft the s
 terminal and in a benchmark; "measure again" refreshes them.
 
 The store is a JSON file per key under the cache (engine.loading.weights.cache_dir), the key naming what the costs
-depend on: the CPU (model and instruction sets), torch's version and threads, the device, and the two models as
-loaded (their names carry the target's precision). Costs measured while other processes took the CPU are kept for
-that start only, not stored: one measured beside a test suite once put a draft token at 388 ms instead of 25, and
-every later start drafted by it. The first passes after a load run slower, so each model runs a few untimed passes
-first, and the curve is padded (a shorter pass never costs more than a longer one): a plain step measured dearer
-than it is makes a draft token look cheap, and the policy drafts where plain decoding is faster (docs/policy.md).
+depend on: the CPU (model and instruction sets), torch's version and threads, the int8 kernel's source, the device,
+and the two models as loaded (their names carry the target's precision). Costs measured while other processes took
+the CPU are kept for that start only, not stored: one measured beside a test suite once put a draft token at 388 ms
+instead of 25, and every later start drafted by it. The first passes after a load run slower, so each model runs a
+few untimed passes first, and the curve is padded (a shorter pass never costs more than a longer one): a plain step
+measured dearer than it is makes a draft token look cheap, and the policy drafts where plain decoding is faster
+(docs/policy.md).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import time
 import torch
 
 from engine.exact.forward import forward, new_cache, rollback
+from engine.exact.grouped_int8 import build_key
 from engine.exact.policy import Costs, PolicyConfig
 from engine.cache import cache_dir
 from engine.cpu import cpu
@@ -45,7 +47,7 @@ def machine() -> dict:
     """What the costs depend on besides the models."""
     here = cpu()
     return {"cpu": here.model, "flags": hashlib.sha1(here.flags.encode()).hexdigest()[:12], "torch": torch.__version__,
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "kernel": build_key()}  # a faster kernel changes the verify curve
 
 
 def key(models: dict) -> str:

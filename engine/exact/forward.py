@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from engine.exact import decoder
+
 
 @dataclass(frozen=True)
 class PassLayout:
@@ -61,10 +63,13 @@ def forward(model, ids: list[int], cache: DynamicCache, keep: int, head=None, pr
     `prompt_rows` ids. `tree`: the last `tree` ids are a token tree's alternatives to ids[tree_at] (engine.exact.tree).
     Both go to the target's attention as a PassLayout (the prompt_rows, alt_rows and alt_at it describes)."""
     x = torch.tensor([ids], dtype=torch.long, device=model.device)  # [1, T]
+    layout = PassLayout(prompt_rows, tree, tree_at)
+    if decoder.runs(model):
+        hidden = decoder.run(model, x, cache, layout)[0, -keep:]  # [keep, H], normed
+        return (model.lm_head if head is None else head)(hidden).float()
     if head is not None:
         hidden = model.model(input_ids=x, cache=cache, use_cache=True).last_hidden_state  # [1, T, H], normed
         return head(hidden[0, -keep:]).float()
-    layout = PassLayout(prompt_rows, tree, tree_at)
     extra = {}
     if tree:
         positions = layout.positions(cache.get_seq_length(), len(ids))

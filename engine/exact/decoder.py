@@ -1,0 +1,63 @@
+"""A Qwen2 or Llama model's forward pass as one plain function: the operations transformers' modules run, in their
+order, so the same bits (tests/test_decoder.py), without the modules' per-call machinery (hooks, keyword plumbing,
+mask building, output records), which took a fifth of a decoding step of the int4 target and more of the draft's.
+engine.exact.forward uses it where `runs(model)`, and the model's own forward elsewhere."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+
+def runs(model) -> bool:
+    """Whether `run` computes what `model`'s own forward does: a Qwen2 or Llama causal LM whose layers all attend
+    to the whole context, with an attention function transformers has registered (the target's "rowwise", sdpa)."""
+    layer_types = getattr(model.config, "layer_types", None) or ["full_attention"]
+    return (isinstance(model, (Qwen2ForCausalLM, LlamaForCausalLM)) and set(layer_types) == {"full_attention"}
+            and model.config._attn_implementation in ALL_ATTENTION_FUNCTIONS)
+
+
+def run(model, ids: torch.Tensor, cache, layout) -> torch.Tensor:
+    """ids [1, T] after what `cache` holds -> the final norm's output [1, T, hidden]. `layout`
+    (engine.exact.forward.PassLayout) gives the rows' positions and goes to the attention function, as the model's
+    forward passes it."""
+    m = model.model
+    T, past = ids.shape[1], cache.get_seq_length()
+    x = m.embed_tokens(ids)  # [1, T, hidden]
+    positions = torch.tensor([layout.positions(past, T)], device=ids.device)
+    cos, sin = m.rotary_emb(x, positions)  # [1, T, head_dim]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+    attend = ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]
+    mask = None  # "rowwise" lays out its rows itself; sdpa needs one for several rows after a cache
+    if T > 1:
+        mask = torch.ones(T, past + T, dtype=torch.bool, device=ids.device).tril(past)[None, None]
+    # .forward: a module's __call__ costs more than the small ops here
+    for i, layer in enumerate(m.layers):
+        a = layer.self_attn
+        h = _rms_norm(layer.input_layernorm, x)
+        shape = (1, T, -1, a.head_dim)
+        q = a.q_proj.forward(h).view(shape).transpose(1, 2)  # [1, heads, T, head_dim]
+        k = a.k_proj.forward(h).view(shape).transpose(1, 2)
+        v = a.v_proj.forward(h).view(shape).transpose(1, 2)
+        q = (q * cos) + (_rotate_half(q) * sin)
+        k = (k * cos) + (_rotate_half(k) * sin)
+        k, v = cache.update(k, v, i)
+        out, _ = attend(a, q, k, v, mask, dropout=0.0, scaling=a.scaling, pass_layout=layout)  # [1, T, heads, D]
+        x = x + a.o_proj.forward(out.reshape(1, T, -1).contiguous())
+        h = _rms_norm(layer.post_attention_layernorm, x)
+        mlp = layer.mlp
+        x = x + mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(h)) * mlp.up_proj.forward(h))
+    return _rms_norm(m.norm, x)
+
+
+def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
