@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import io
 import logging
+import re
 import statistics
 import subprocess
 import sys
@@ -50,7 +51,8 @@ def kernel_of(revision: str):
                             capture_output=True, text=True).stdout
     build = Path(tempfile.mkdtemp(prefix="step-cost-"))
     (build / "kernel.cpp").write_text(source)
-    return compile_extension(f"kernel_{revision}", [str(build / "kernel.cpp")], build_directory=str(build),
+    name = "kernel_" + re.sub(r"\W", "_", revision)  # a module's name: HEAD~1 -> kernel_HEAD_1
+    return compile_extension(name, [str(build / "kernel.cpp")], build_directory=str(build),
                              extra_cflags=list(grouped_int8.CFLAGS), extra_ldflags=list(grouped_int8.LDFLAGS))
 
 
@@ -117,9 +119,9 @@ def main(argv=None) -> int:
     out = io.StringIO()
     command = " ".join(["python -m benchmarks.step_cost", *(argv if argv is not None else sys.argv[1:])])
     out.write(f"\n#### {machine_kind()}, the {kernel} kernel\n\n`{command}`: {target.name} and its draft {draft.name}, "
-              f"{len(context)} tokens cached; {args.rounds} rounds after {args.warmup}; ratio = that configuration / {THIS}, median "
-              f"over rounds [95 % bootstrap interval]; machine: {machine()}, {torch.get_num_threads()} threads, torch "
-              f"{torch.__version__}; {time.strftime('%Y-%m-%d %H:%M')}\n\n")
+              f"{len(context)} tokens cached; {args.rounds} rounds after {args.warmup}; ratio = that configuration / "
+              f"{THIS}, median over rounds [95 % bootstrap interval]; machine: {machine()}, "
+              f"{torch.get_num_threads()} threads, torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M')}\n\n")
     others = names[1:]
     out.write(f"| pass | {THIS}: ms | " + " | ".join(f"{c}: ms | ratio" for c in others) + " |\n")
     out.write("| --- " * (2 + 2 * len(others)) + "|\n")

@@ -8,13 +8,11 @@ import pytest
 import torch
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
-from conftest import tiny_llama
 from engine.exact import decoder
 from engine.exact.forward import PassLayout, forward, new_cache
 from engine.exact.optimize import prepare_draft, prepare_target
 from engine.exact.vocab import prune_head
-
-CPU = torch.device("cpu")
+from tests.conftest import CPU, tiny_llama
 
 
 def tiny_qwen2(seed: int, sliding: bool = False) -> Qwen2ForCausalLM:

@@ -66,6 +66,9 @@ def test_every_pass_size_gives_each_row_what_a_single_row_gives(shape, vnni):
         assert torch.equal(layer(x[:, :rows]), long[:, :rows]), f"a {rows}-row pass differs from a 300-row pass"
     for i in range(0, 300, 23):
         assert torch.equal(layer(x[:, i: i + 1]), long[:, i: i + 1]), f"row {i} alone differs"
+    if vnni:
+        layer.vnni = False
+        assert torch.equal(layer(x), long), "AVX2's kernel and VNNI's differ"
     assert torch.allclose(long[0].double(), reference(x, layer), rtol=1e-5, atol=1e-5 * long.abs().max().item())
 
 
@@ -124,6 +127,10 @@ def test_the_q4_k_scale_form_gives_the_float32_scales_bits(shape, vnni):
     x = torch.randn(300, shape[0]) * torch.rand(300, 1) * 4
     for rows in range(1, 301) if shape[0] * shape[1] < 1 << 20 else [*ROWS, 300]:
         assert torch.equal(compact(x[:rows]), floats(x[:rows])), f"{rows} rows differ"
+    if vnni:
+        long = compact(x)
+        compact.vnni = False
+        assert torch.equal(compact(x), long), "AVX2's kernel and VNNI's differ"
     # 18.5 bytes per 32 weights against 24 (the bias aside)
     weights = shape[0] * -(-shape[1] // 16) * 16
     assert [sum(b.nbytes for n, b in m.named_buffers() if n != "bias") for m in (compact, floats)] == [

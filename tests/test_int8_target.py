@@ -80,6 +80,9 @@ def test_every_pass_size_gives_each_row_what_a_single_row_gives(shape, vnni):
         assert torch.equal(layer(x[:, :rows]), long[:, :rows]), f"a {rows}-row pass differs from a 300-row pass"
     for i in range(0, 300, 23):
         assert torch.equal(layer(x[:, i: i + 1]), long[:, i: i + 1]), f"row {i} alone differs"
+    if vnni:
+        layer.vnni = False
+        assert torch.equal(layer(x), long), "AVX2's kernel and VNNI's differ"
     # float32 sums over up to 280 groups against float64's
     assert torch.allclose(long[0].double(), reference(x, layer), rtol=1e-5, atol=1e-5 * long.abs().max().item())
 

@@ -72,6 +72,7 @@ def test_draft_cache_rolls_back_and_never_reruns(tiny_pair, monkeypatch):
     assert calls[0] == 1  # only the new token: the kept drafts were already in the draft's cache
     calls.clear()
     proposer.update(committed)
+    assert calls == []  # update only crops the cache: nothing runs
     monkeypatch.undo()
     assert proposer.cached == committed[: len(proposer.cached)]
     assert_same_cache(proposer.cache, fresh_cache(draft, proposer.cached))

@@ -7,7 +7,7 @@ once here, in a quiet moment, and stored, they make the same request draft the s
 terminal and in a benchmark; "measure again" refreshes them.
 
 The store is a JSON file per key under the cache (engine.loading.weights.cache_dir), the key naming what the costs
-depend on: the CPU (model and instruction sets), torch's version and threads, the int8 kernel's source, the device,
+depend on: the CPU (model and instruction sets), torch's version and threads, the passes' code, the device,
 and the two models as loaded (their names carry the target's precision). Costs measured while other processes took
 the CPU are kept for that start only, not stored: one measured beside a test suite once put a draft token at 388 ms
 instead of 25, and every later start drafted by it. The first passes after a load run slower, so each model runs a
@@ -24,11 +24,11 @@ import logging
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from engine.exact.forward import forward, new_cache, rollback
-from engine.exact.grouped_int8 import build_key
 from engine.exact.policy import Costs, PolicyConfig
 from engine.cache import cache_dir
 from engine.cpu import cpu
@@ -47,7 +47,16 @@ def machine() -> dict:
     """What the costs depend on besides the models."""
     here = cpu()
     return {"cpu": here.model, "flags": hashlib.sha1(here.flags.encode()).hexdigest()[:12], "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "kernel": build_key()}  # a faster kernel changes the verify curve
+            "threads": torch.get_num_threads(), "code": code_key()}
+
+
+# the code a pass runs: a change to any of them (a faster kernel, a leaner forward) changes what passes cost
+COSTED = ("grouped_int8.cpp", "decoder.py", "forward.py")
+
+
+def code_key() -> str:
+    here = Path(__file__).parent
+    return hashlib.sha1(b"".join((here / name).read_bytes() for name in COSTED)).hexdigest()[:12]
 
 
 def key(models: dict) -> str:

@@ -1,7 +1,7 @@
 """A Qwen2 or Llama model's forward pass as one plain function: the operations transformers' modules run, in their
 order, so the same bits (tests/test_decoder.py), without the modules' per-call machinery (hooks, keyword plumbing,
-mask building, output records), which took a fifth of a decoding step of the int4 target and more of the draft's.
-engine.exact.forward uses it where `runs(model)`, and the model's own forward elsewhere."""
+mask building, output records): the int4 target's passes and the draft's steps run 4-9 % faster
+(benchmarks.step_cost). engine.exact.forward uses it where `runs(model)`, and the model's own forward elsewhere."""
 
 from __future__ import annotations
 
@@ -9,13 +9,17 @@ import torch
 from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+# the attention functions whose mask `run` gives as the model's forward would: the target's (engine.exact.optimize,
+# which lays out its rows itself) and torch's SDPA (a draft's); others take other masks (flex: added scores)
+ATTENTION = ("rowwise", "sdpa")
+
 
 def runs(model) -> bool:
-    """Whether `run` computes what `model`'s own forward does: a Qwen2 or Llama causal LM whose layers all attend
-    to the whole context, with an attention function transformers has registered (the target's "rowwise", sdpa)."""
+    """Whether `run` computes what `model`'s own forward does: a Qwen2 or Llama causal LM (not a subclass, which may
+    change its forward) whose layers all attend to the whole context, with one of the ATTENTION functions."""
     layer_types = getattr(model.config, "layer_types", None) or ["full_attention"]
-    return (isinstance(model, (Qwen2ForCausalLM, LlamaForCausalLM)) and set(layer_types) == {"full_attention"}
-            and model.config._attn_implementation in ALL_ATTENTION_FUNCTIONS)
+    return (type(model) in (Qwen2ForCausalLM, LlamaForCausalLM) and set(layer_types) == {"full_attention"}
+            and model.config._attn_implementation in ATTENTION)
 
 
 def run(model, ids: torch.Tensor, cache, layout) -> torch.Tensor:
@@ -29,8 +33,9 @@ def run(model, ids: torch.Tensor, cache, layout) -> torch.Tensor:
     cos, sin = m.rotary_emb(x, positions)  # [1, T, head_dim]
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
     attend = ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]
-    mask = None  # "rowwise" lays out its rows itself; sdpa needs one for several rows after a cache
-    if T > 1:
+    # "rowwise" lays out its rows itself; SDPA takes the model's: none for the prompt alone (causal), else a bool one
+    mask = None
+    if T > 1 and past:
         mask = torch.ones(T, past + T, dtype=torch.bool, device=ids.device).tril(past)[None, None]
     # .forward: a module's __call__ costs more than the small ops here
     for i, layer in enumerate(m.layers):
