@@ -35,7 +35,7 @@ import time
 import torch
 
 from benchmarks.doc_table import machine, machine_kind, write_table
-from benchmarks.timing import code_context, timed
+from benchmarks.timing import add_avx2_option, code_context, kernel_code, timed
 from engine.analysis.stats import bootstrap_ci
 from engine.exact.forward import forward, new_cache, rollback
 from torch import nn
@@ -98,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--burst", type=int, default=3, help="passes of each form per round (prefill: 1)")
     parser.add_argument("--context", type=int, default=200, help="tokens before the timed passes; the prefill's length")
-    parser.add_argument("--avx2", action="store_true",
-                        help="run the kernel's AVX2 code where the CPU has AVX-512 VNNI (what an AVX2 machine runs)")
+    add_avx2_option(parser)
     parser.add_argument("--no-doc", action="store_true", help="print only; leave docs/memory.md as it is")
     args = parser.parse_args(argv)
     if args.rounds < 2:
@@ -113,13 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     kind, replace, ours, theirs = AGAINST[args.against]
     models = {ours: compact, theirs: twin(compact, kind, replace)}
     forms = list(models)
-    kernel = "VNNI" if compact.lm_head.vnni else "AVX2"
-    if args.avx2:
-        for model in models.values():
-            for layer in model.modules():
-                if isinstance(layer, GroupedInt8Linear):
-                    layer.vnni = False
-        kernel = "AVX2" + (" (on a CPU with VNNI)" if kernel == "VNNI" else "")
+    kernel = kernel_code(models.values(), args.avx2)
     print(f"{args.target} on {machine_kind()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     sizes = {form: linear_bytes(model, kind) for form, model in models.items()}
 

@@ -29,11 +29,10 @@ from typing import Callable
 import torch
 
 from benchmarks.doc_table import machine, machine_kind, write_table
-from benchmarks.timing import code_context, timed
+from benchmarks.timing import add_avx2_option, code_context, kernel_code, timed
 from engine.analysis.stats import bootstrap_ci
 from engine.exact import decoder, grouped_int8
 from engine.exact.forward import forward, new_cache, rollback
-from engine.exact.grouped_int8 import GroupedInt8Linear
 from engine.exact.models import load
 from engine.presets import DEFAULT_PRESET, PRESETS
 from engine.setup import setup
@@ -78,8 +77,7 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=200, help="tokens in the cache before each pass")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--avx2", action="store_true",
-                        help="run the kernel's AVX2 code where the CPU has AVX-512 VNNI (what an AVX2 machine runs)")
+    add_avx2_option(parser)
     parser.add_argument("--no-doc", action="store_true", help="print only; leave docs/memory.md as it is")
     args = parser.parse_args(argv)
     if args.rounds < 2:
@@ -90,12 +88,7 @@ def main(argv=None) -> int:
     preset = PRESETS[DEFAULT_PRESET]
     target = load(preset.target, "target", precision="int4")
     draft = load(preset.draft, "draft", int8=preset.int8_draft, precision="int4")
-    layers = [m for model in (target.model, draft.model) for m in model.modules() if isinstance(m, GroupedInt8Linear)]
-    kernel = "VNNI" if any(layer.vnni for layer in layers) else "AVX2"
-    if args.avx2:
-        for layer in layers:
-            layer.vnni = False
-        kernel = "AVX2" + (" (on a CPU with VNNI)" if kernel == "VNNI" else "")
+    kernel = kernel_code((target.model, draft.model), args.avx2)
     context = code_context(target.tokenizer, args.context)
     configs = configurations(args.kernel_of)
     names = list(configs)

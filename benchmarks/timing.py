@@ -1,4 +1,5 @@
-"""What the micro-benchmarks share: a warm context of code and English, and timing configurations in turns."""
+"""What the micro-benchmarks share: a warm context of code and English, timing configurations in turns, and which
+code of the int8 kernel they time."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 from typing import Callable, Hashable
 
 from engine.exact.forward import forward, new_cache, rollback
+from engine.exact.grouped_int8 import GroupedInt8Linear
 
 
 def code_context(tokenizer, n: int) -> list[int]:
@@ -38,3 +40,20 @@ def forward_ms_in_turns(model, context: list[int], configs: dict[Hashable, Calla
                 times[key].append(1000 * (time.perf_counter() - t))
             rollback(cache, len(context))
     return times
+
+
+def add_avx2_option(parser) -> None:
+    parser.add_argument("--avx2", action="store_true",
+                        help="run the kernel's AVX2 code where the CPU has AVX-512 VNNI (what an AVX2 machine runs)")
+
+
+def kernel_code(models, avx2: bool) -> str:
+    """Which code of the int8 kernel the models' Linears run, for a table's heading: "VNNI" or "AVX2". With `avx2`
+    they run the AVX2 code (--avx2), "AVX2 (on a CPU with VNNI)" where the CPU has VNNI."""
+    layers = [m for model in models for m in model.modules() if isinstance(m, GroupedInt8Linear)]
+    kernel = "VNNI" if any(layer.vnni for layer in layers) else "AVX2"
+    if avx2:
+        for layer in layers:
+            layer.vnni = False
+        kernel = "AVX2" + (" (on a CPU with VNNI)" if kernel == "VNNI" else "")
+    return kernel
