@@ -1,7 +1,9 @@
-"""What a target pass over m rows and a draft step cost with this checkout's forward and kernel, against the model's
-own transformers forward and against another revision's kernel, side by side.
+"""What a target pass over m rows and a draft step cost with this checkout's forward, KV cache and kernel, against
+the model's own transformers forward, against transformers' DynamicCache and against another revision's kernel, side
+by side.
 
-    python -m benchmarks.step_cost                          # the decoder against the model's own forward
+    python -m benchmarks.step_cost                          # against the model's own forward and DynamicCache
+    python -m benchmarks.step_cost --context 600            # the same after 600 cached tokens
     python -m benchmarks.step_cost --kernel-of 2b0f668      # also the int8 kernel of that git revision
     python -m benchmarks.step_cost --kernel-of 2b0f668 --avx2   # the kernel's AVX2 code, on a CPU with VNNI
 
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from transformers import DynamicCache
 
 from benchmarks.doc_table import machine, machine_kind, write_table
 from benchmarks.timing import add_avx2_option, code_context, kernel_code, timed
@@ -40,6 +43,8 @@ from engine.setup import setup
 ROOT = Path(__file__).resolve().parent.parent
 THIS = "this checkout"
 OWN = "the model's own forward"
+DYNAMIC = "transformers' DynamicCache"
+DEFAULT_CONTEXT = 200
 
 
 def kernel_of(revision: str):
@@ -56,25 +61,30 @@ def kernel_of(revision: str):
 
 
 def configurations(kernel_revision: str | None) -> dict[str, Callable[[], None]]:
-    """Each configuration's set-up: a function that makes the engines' passes run that way."""
+    """Each configuration's set-up: a function that makes the engines' passes run that way (DYNAMIC's passes run as
+    this checkout's, on another cache: `cache_for`)."""
     ours, runs = grouped_int8.kernel(), decoder.runs
 
     def use(kernel, plain_forward: bool):
         grouped_int8.kernel = lambda: kernel  # the Linears look the kernel up at each call
         decoder.runs = runs if plain_forward else (lambda model: False)
 
-    configs = {THIS: lambda: use(ours, True), OWN: lambda: use(ours, False)}
+    configs = {THIS: lambda: use(ours, True), OWN: lambda: use(ours, False), DYNAMIC: lambda: use(ours, True)}
     if kernel_revision:
         theirs = kernel_of(kernel_revision)
         configs[f"the kernel of {kernel_revision}"] = lambda: use(theirs, True)
     return configs
 
 
+def cache_for(configuration: str, model):
+    return DynamicCache(config=model.config) if configuration == DYNAMIC else new_cache(model)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kernel-of", metavar="REVISION", help="also time the int8 kernel of this git revision")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 5, 8], help="target rows per pass")
-    parser.add_argument("--context", type=int, default=200, help="tokens in the cache before each pass")
+    parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="tokens in the cache before each pass")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=2)
     add_avx2_option(parser)
@@ -94,17 +104,19 @@ def main(argv=None) -> int:
     names = list(configs)
     passes = {f"target, {m} row{'s' * (m > 1)}": (target.model, m) for m in args.sizes}
     passes["draft step"] = (draft.model, 1)
-    caches = {}
-    for name, (model, _) in passes.items():
-        caches[name] = new_cache(model)
-        forward(model, context, caches[name], keep=1)
+    caches = {}  # per pass, one for DYNAMIC and one that the other configurations share
+    for p, (model, _) in passes.items():
+        for dynamic in (False, True):
+            caches[p, dynamic] = cache_for(DYNAMIC if dynamic else THIS, model)
+            forward(model, context, caches[p, dynamic], keep=1)
     times = {(p, c): [] for p in passes for c in names}
     for i in range(args.warmup + args.rounds):
         for p, (model, rows) in passes.items():
             for c in names if i % 2 == 0 else names[::-1]:
                 configs[c]()
-                ms = timed(lambda: forward(model, context[:rows], caches[p], keep=rows))
-                rollback(caches[p], len(context))
+                cache = caches[p, c == DYNAMIC]
+                ms = timed(lambda: forward(model, context[:rows], cache, keep=rows))
+                rollback(cache, len(context))
                 if i >= args.warmup:
                     times[p, c].append(ms)
     configs[THIS]()
@@ -127,7 +139,8 @@ def main(argv=None) -> int:
         out.write(f"| {p} | " + " | ".join(cells) + " |\n")
     sys.stdout.write(out.getvalue())
     if not args.no_doc:
-        write_table("memory.md", f"step cost / {machine_kind()} / {kernel.split()[0]}", out.getvalue())
+        suffix = "" if args.context == DEFAULT_CONTEXT else f" / {args.context} tokens"
+        write_table("memory.md", f"step cost / {machine_kind()} / {kernel.split()[0]}{suffix}", out.getvalue())
     return 0
 
 

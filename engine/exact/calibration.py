@@ -50,8 +50,8 @@ def machine() -> dict:
             "threads": torch.get_num_threads(), "code": code_key()}
 
 
-# the code a pass runs: a change to any of them (a faster kernel, a leaner forward) changes what passes cost
-COSTED = ("grouped_int8.cpp", "decoder.py", "forward.py")
+# the code that shapes what a pass costs: a change to any of them (a faster kernel, a leaner forward) changes it
+COSTED = ("grouped_int8.cpp", "decoder.py", "forward.py", "kv_cache.py", "optimize.py")
 
 
 def code_key() -> str:

@@ -1,4 +1,5 @@
-"""One forward pass with a KV cache, and cache rollback. Both engines go through these functions."""
+"""One forward pass with a KV cache (engine.exact.kv_cache), and cache rollback. Both engines go through these
+functions."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import torch
 from transformers import DynamicCache
 
 from engine.exact import decoder
+from engine.exact.kv_cache import new_cache
+
+__all__ = ["PassLayout", "forward", "move_position", "new_cache", "rollback"]  # new_cache: engine.exact.kv_cache's
 
 
 @dataclass(frozen=True)
@@ -32,10 +36,6 @@ class PassLayout:
         row alt_at."""
         chain = rows - self.alt_rows
         return list(range(start, start + chain)) + [start + self.alt_at] * self.alt_rows
-
-
-def new_cache(model) -> DynamicCache:
-    return DynamicCache(config=model.config)
 
 
 def rollback(cache: DynamicCache, length: int) -> None:
