@@ -36,6 +36,7 @@ import sys
 from dataclasses import replace
 from functools import partial
 
+from benchmarks import bandwidth
 from benchmarks.doc_table import machine, machine_kind, write_table
 from benchmarks.speed import (NOISE_WARNING, _cell, _median, add_sample_args, describe_prompts, groups, run_engine,
                               sample_plan, with_ci)
@@ -135,6 +136,35 @@ def per_prompt(reps: list[dict], spec_engines: list[str]) -> dict:
             divergences = [f["first_divergence"] for f in figures if f["first_divergence"] is not None]
             row[name]["first_divergence"] = min(divergences) if divergences else None
     return row
+
+
+def by_spell(repeats: list[dict], ours: bool) -> str:
+    """The memory bandwidth the repeats ran at, and, where the machine had slow and fast spells, each spell's
+    figures over the repeats that ran within it (benchmarks.bandwidth)."""
+    readings = [r["bandwidth"] for r in repeats]
+    if not readings:
+        return ""
+    threshold = bandwidth.split(readings)
+    text = (f"Memory bandwidth (a {bandwidth.PROBE_MIB} MiB read before and after each prompt's repeat): "
+            f"{min(map(min, readings)):.0f}-{max(map(max, readings)):.0f} GB/s")
+    if threshold is None:
+        changed = sum(not bandwidth.steady(r) for r in readings)
+        return text + (", one spell." if changed < len(readings) else ": every repeat changed spell while it ran.")
+    lines = [text + f": slow and fast spells (split at {threshold:.0f} GB/s). Per spell, over the repeats that ran "
+                    "within one (median over repeats [95 % bootstrap interval]):", ""]
+    for name in ("slow", "fast"):
+        within = [r for r in repeats if bandwidth.spell(r["bandwidth"], threshold) == name]
+        if not within:
+            continue
+        line = (f"- {name}: {len(within)} repeats, llama.cpp plain {_median(r['plain_tps'] for r in within):.2f} "
+                "tok/s")
+        if ours:
+            for engine, key in (("speculative", "spec_vs_plain"), ("baseline", "base_vs_plain")):
+                line += f", ours {engine} / llama.cpp plain {with_ci([r['ours'][key] for r in within], '{:.2f}')}"
+        lines.append(line)
+    mixed = sum(bandwidth.spell(r["bandwidth"], threshold) == "mixed" for r in repeats)
+    lines.append(f"- {mixed} repeats changed spell while they ran")
+    return "\n".join(lines)
 
 
 def identical(prompts: list[dict], name: str) -> str:
@@ -249,6 +279,7 @@ def main(argv=None) -> int:
                 run_engine(backends["ours"], engine, warm)
             engines += list(OURS)
         reps: list[list[dict]] = [[] for _ in plan]
+        probe = bandwidth.Probe()
         interrupted = False
         try:
             for r in range(args.repeats):
@@ -257,8 +288,10 @@ def main(argv=None) -> int:
                     req = Request(prompt=item.prompt, earlier_turns=item.earlier_turns,
                                   max_new_tokens=args.max_new_tokens)  # greedy: Request's default sampling
                     ours = ours_base and replace(ours_base, prompt=item.prompt, earlier_turns=item.earlier_turns)
-                    reps[i].append(bench_prompt(backends, {"llamacpp": req, "ours": ours}, order, spec_engines))
-                    last = reps[i][-1]
+                    before = probe.gbs()
+                    last = bench_prompt(backends, {"llamacpp": req, "ours": ours}, order, spec_engines)
+                    last["bandwidth"] = (before, probe.gbs())
+                    reps[i].append(last)
                     log.info("repeat %d/%d, prompt %d/%d (%s): plain %.2f tok/s, %s", r + 1, args.repeats, i + 1,
                              len(plan), item.category, last["plain_tps"],
                              ", ".join(f"{labels[e]} {last[e]['speedup']:.2f}x" for e in spec_engines)
@@ -303,6 +336,7 @@ def main(argv=None) -> int:
         out.write(f"From this one run, over all {len(prompts)} prompts: ours speculative / llama.cpp plain "
                   f"{with_ci([f['spec_vs_plain'] for f in o], '{:.2f}')}; ours baseline / llama.cpp plain "
                   f"{with_ci([f['base_vs_plain'] for f in o], '{:.2f}')}.\n\n")
+    out.write(by_spell([r for _, rs in done for r in rs], args.ours) + "\n\n")
     for line in divergences(prompts, [entry for entry, _ in done], spec_engines, labels):
         out.write(f"- {line}\n")
     out.write("\nPer prompt the median over repeats of within-repeat figures; per row the median over prompts, with "
