@@ -256,7 +256,7 @@ def main(argv=None) -> int:
     except LlamaCppError as e:
         log.error("%s", e)
         return 2
-    build = choose_build(args.llamacpp_server)
+    build = choose_build(args.llamacpp_server, model=target)
     backends = {"llamacpp": LlamaCppBackend.managed(configs[0], configs[1:], build=build)}
     try:
         spec_engines = ["speculative", *(extra_engine(i) for i in range(len(configs) - 1))]

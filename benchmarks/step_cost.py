@@ -1,10 +1,11 @@
 """What a target pass over m rows and a draft step cost with this checkout's forward, KV cache and kernel, against
-the model's own transformers forward, against transformers' DynamicCache and against another revision's kernel, side
-by side.
+the model's own transformers forward, against transformers' DynamicCache, against the decoder's layers in Python
+(engine.exact.decoder runs them in C++ on the int8 kernel) and against another revision's kernel, side by side.
 
-    python -m benchmarks.step_cost                          # against the model's own forward and DynamicCache
+    python -m benchmarks.step_cost                          # against the model's own forward, DynamicCache, Python
     python -m benchmarks.step_cost --context 600            # the same after 600 cached tokens
-    python -m benchmarks.step_cost --kernel-of 2b0f668      # also the int8 kernel of that git revision
+    python -m benchmarks.step_cost --kernel-of 2b0f668      # also the int8 kernel of that git revision (its
+                                                            # layers in Python: compare with that column)
     python -m benchmarks.step_cost --kernel-of 2b0f668 --avx2   # the kernel's AVX2 code, on a CPU with VNNI
 
 The console's models as it loads them (the default preset, int4 target, its draft). A warm cache of --context
@@ -44,35 +45,43 @@ ROOT = Path(__file__).resolve().parent.parent
 THIS = "this checkout"
 OWN = "the model's own forward"
 DYNAMIC = "transformers' DynamicCache"
+IN_PYTHON = "the decoder's layers in Python"
 DEFAULT_CONTEXT = 200
 
 
 def kernel_of(revision: str):
-    """The int8 kernel as the git revision `revision` had it, compiled into a temporary directory."""
+    """The int8 kernel as the git revision `revision` had it (with the sources it had beside it in the module),
+    compiled into a temporary directory."""
     from torch.utils.cpp_extension import load as compile_extension
 
-    source = subprocess.run(["git", "show", f"{revision}:engine/exact/grouped_int8.cpp"], cwd=ROOT, check=True,
-                            capture_output=True, text=True).stdout
     build = Path(tempfile.mkdtemp(prefix="step-cost-"))
-    (build / "kernel.cpp").write_text(source)
+    sources = []
+    for source in grouped_int8.SOURCES:
+        shown = subprocess.run(["git", "show", f"{revision}:engine/exact/{source.name}"], cwd=ROOT,
+                               capture_output=True, text=True)
+        if shown.returncode == 0:  # a revision before decoder_layer.cpp has the kernel alone
+            (build / source.name).write_text(shown.stdout)
+            sources.append(str(build / source.name))
     name = "kernel_" + re.sub(r"\W", "_", revision)  # a module's name: HEAD~1 -> kernel_HEAD_1
-    return compile_extension(name, [str(build / "kernel.cpp")], build_directory=str(build),
+    return compile_extension(name, sources, build_directory=str(build),
                              extra_cflags=list(grouped_int8.CFLAGS), extra_ldflags=list(grouped_int8.LDFLAGS))
 
 
 def configurations(kernel_revision: str | None) -> dict[str, Callable[[], None]]:
     """Each configuration's set-up: a function that makes the engines' passes run that way (DYNAMIC's passes run as
     this checkout's, on another cache: `cache_for`)."""
-    ours, runs = grouped_int8.kernel(), decoder.runs
+    ours, runs, native = grouped_int8.kernel(), decoder.runs, decoder.native_layers
 
-    def use(kernel, plain_forward: bool):
+    def use(kernel, plain_forward: bool, layers_in_cpp: bool = True):
         grouped_int8.kernel = lambda: kernel  # the Linears look the kernel up at each call
         decoder.runs = runs if plain_forward else (lambda model: False)
+        decoder.native_layers = native if layers_in_cpp else (lambda model: None)
 
-    configs = {THIS: lambda: use(ours, True), OWN: lambda: use(ours, False), DYNAMIC: lambda: use(ours, True)}
+    configs = {THIS: lambda: use(ours, True), OWN: lambda: use(ours, False), DYNAMIC: lambda: use(ours, True),
+               IN_PYTHON: lambda: use(ours, True, layers_in_cpp=False)}
     if kernel_revision:
-        theirs = kernel_of(kernel_revision)
-        configs[f"the kernel of {kernel_revision}"] = lambda: use(theirs, True)
+        theirs = kernel_of(kernel_revision)  # the layers in C++ call this checkout's kernel: in Python here
+        configs[f"the kernel of {kernel_revision}, layers in Python"] = lambda: use(theirs, True, False)
     return configs
 
 

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Callable, Hashable
 
+from engine.exact import decoder
 from engine.exact.forward import forward, new_cache, rollback
 from engine.exact.grouped_int8 import GroupedInt8Linear
 
@@ -55,5 +56,7 @@ def kernel_code(models, avx2: bool) -> str:
     if avx2:
         for layer in layers:
             layer.vnni = False
+        for model in models:
+            decoder.forget(model)  # its layers in C++ hold the flags
         kernel = "AVX2" + (" (on a CPU with VNNI)" if kernel == "VNNI" else "")
     return kernel

@@ -116,10 +116,10 @@ def llamacpp_host(args) -> ModelHost:
             raise SystemExit(str(e)) from e
 
     def factory(progress):
-        build = own or choose_build(args.llamacpp_server, on_progress=progress)
-        host.label = f"{title}; {build.description}"
         target = str(gguf_model(preset.target, on_progress=progress)[0])
         draft = str(gguf_model(preset.draft, on_progress=progress)[0]) if preset.draft else None
+        build = own or choose_build(args.llamacpp_server, on_progress=progress, model=target)
+        host.label = f"{title}; {build.description}"
         configs = [replace(c, model=target, draft=draft if c.method in DRAFT_MODEL_METHODS else None)
                    for c in (base, *extra)]
         return LlamaCppBackend.managed(configs[0], configs[1:], on_progress=progress, build=build)

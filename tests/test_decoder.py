@@ -10,7 +10,8 @@ from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 from engine.exact import decoder
 from engine.exact.forward import PassLayout, forward, new_cache
-from engine.exact.optimize import prepare_draft, prepare_target
+from engine.exact.grouped_int8 import unavailable
+from engine.exact.optimize import convert_linears, finish, linear_converter, prepare_draft, prepare_target
 from engine.exact.vocab import prune_head
 from tests.conftest import CPU, tiny_llama
 
@@ -91,3 +92,35 @@ def test_a_model_the_decoder_does_not_reproduce_runs_its_own_forward():
     finally:
         hook.remove()
     assert calls == [1] and logits.shape == (2, 300)
+
+
+def int4_draft(model):
+    """A draft as it runs beside the int4 target: Int4Draft Linears (the kernel for up to 16 rows, torch's int8
+    above)."""
+    convert_linears(model, linear_converter("draft", CPU, int8=True, precision="int4"))
+    return finish(model, "draft")
+
+
+@pytest.mark.parametrize("kind", MODELS)
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_layers_in_cpp_give_the_own_forwards_bits(kind, role):
+    """On the int8 kernel's Linears (the int4 target; the draft's passes of up to 16 rows) a layer's operations run in
+    C++ (decoder_layer.cpp): every pass the engines make, a prompt (in Python) and the passes after it, bit for bit."""
+    if unavailable():
+        pytest.skip(unavailable())
+    model = MODELS[kind]()
+    model = prepare_target(model, CPU, precision="int4") if role == "target" else int4_draft(model)
+    native = decoder.native_layers(model)
+    assert decoder.runs(model) and native is not None and len(native) == model.config.num_hidden_layers
+    ours, own = new_cache(model), new_cache(model)
+    layouts = passes(300) if role == "target" else passes(300)[:3]
+    for ids, keep, layout in layouts + [(list(range(7, 23)), 16, PassLayout())]:
+        got = forward(model, ids, ours, keep, tree=layout.alt_rows, tree_at=layout.alt_at)
+        assert torch.equal(got, own_forward(model, ids, own, keep, layout)), f"a {len(ids)}-row pass differs"
+    for a, b in zip(ours.layers, own.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_layers_stay_in_python_where_a_linear_is_not_the_kernels():
+    assert decoder.native_layers(prepare_target(tiny_qwen2(seed=5), CPU)) is None  # float32: PackedLinear
+    assert decoder.native_layers(prepare_draft(tiny_qwen2(seed=5), CPU, int8=True)) is None  # torch's int8

@@ -32,13 +32,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def build() -> native.Build:
-    return native.ensure_built()
+def smol() -> str:
+    return str(gguf_model("smollm2-135m-instruct")[0])
 
 
 @pytest.fixture(scope="module")
-def smol() -> str:
-    return str(gguf_model("smollm2-135m-instruct")[0])
+def build(smol) -> native.Build:
+    return native.ensure_built(model=smol)
 
 
 def test_the_probe_runs_each_instruction_set_and_reports_what_faults():
@@ -54,8 +54,9 @@ def test_the_probe_runs_each_instruction_set_and_reports_what_faults():
 
 def test_the_build_has_what_runs_here_and_nothing_that_faults(build, smol):
     """llama-server's own system info (logged at its highest verbosity as it loads a model) names exactly the sets
-    the probe saw run."""
-    verdicts = native.probe()
+    the probe saw run, less those with which a build of llama.cpp's died (the probe's record keeps both)."""
+    verdicts = native.probed(native.compiler())
+    assert {n: v for n, v in native.probe().items() if v != "runs"}.items() <= verdicts.items()
     assert build.features == [name for name, verdict in verdicts.items() if verdict == "runs"]
     assert set(build.left_out) == {name for name, verdict in verdicts.items() if verdict != "runs"}
     command = [build.binary, "--model", smol, "--host", "127.0.0.1", "--port", "0", "--threads", "1", "--log-verbose"]
@@ -195,6 +196,71 @@ def test_a_binarys_version_line_is_bounded(tmp_path):
     fake.chmod(0o755)
     line = binary_version(str(fake))
     assert line.startswith("version: <script>") and len(line) == VERSION_CHARS
+
+
+def script(path: Path, text: str) -> str:
+    path.write_text("#!/bin/sh\n" + text + "\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_serves_tells_a_server_that_listens_from_one_that_dies(tmp_path):
+    assert native.serves(script(tmp_path / "good", "echo 'main: listening on http://127.0.0.1:1'; exec sleep 60"),
+                         "m.gguf") is None
+    assert native.serves(script(tmp_path / "ill", "echo loading; kill -ILL $$"), "m.gguf") == "faults (SIGILL)"
+    assert native.serves(script(tmp_path / "bad", "echo 'no such model' >&2; exit 1"), "m.gguf") == \
+        "exits 1: no such model\n"
+    mute = script(tmp_path / "mute", "exec sleep 60")
+    assert native.serves(mute, "m.gguf", timeout_s=1) == "did not listen within 1 s"
+
+
+def test_a_build_that_dies_on_a_model_is_built_again_without_amx(monkeypatch, tmp_path):
+    """The probe's AMX programs ran on an AMX Xeon where llama-server's AMX matmul died of SIGILL: a build that faults
+    on the model it is tried on is not kept; the AMX sets are marked in the probe's record, and the next build leaves
+    them out. The compile is a script here (the real one takes minutes); the probe's record and the retry are the
+    real ones."""
+    monkeypatch.setenv("SPECCONSOLE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "probe", lambda cxx=None: {f.name: "runs" for f in native.FEATURES})
+    model = str(tmp_path / "small.gguf")
+    built = []
+
+    def fake_build(partial, features, cxx, on_progress, jobs):
+        built.append(features)
+        (partial / "work").mkdir(parents=True)
+        dies = "kill -ILL $$" if "AMX_INT8" in features else "echo 'listening on http://127.0.0.1:1'; exec sleep 60"
+        return Path(script(partial / "work" / "llama-server", dies))
+
+    monkeypatch.setattr(native, "_build", fake_build)
+    build = native.ensure_built(model=model)
+    assert [("AMX_INT8" in f) for f in built] == [True, False]
+    assert set(build.left_out) == set(native.UNSURE) and not set(build.features) & set(native.UNSURE)
+    assert build.left_out["AMX_INT8"] == "faults (SIGILL) in llama-server"
+    assert native.probed(native.compiler())["AMX_TILE"] == "faults (SIGILL) in llama-server"
+    assert build.describe().endswith("; without AMX_TILE, AMX_INT8, AMX_BF16 (faults (SIGILL) in llama-server)")
+    assert native.ensure_built(model=model) == build and len(built) == 2  # found, not built again
+    assert [b.features for b in native.cached_builds()] == [build.features]
+
+
+@pytest.mark.parametrize("server, kept", [("kill -ILL $$", False), ("echo 'cannot read the model'; exit 1", True)])
+def test_without_amx_a_sigill_refuses_the_build_and_other_trouble_keeps_it(monkeypatch, tmp_path, server, kept):
+    """SIGILL with no AMX set in: nothing left to leave out, the wheel serves instead (BuildError says why). A model
+    the new server cannot serve for another reason is the model's trouble: the build is kept."""
+    monkeypatch.setenv("SPECCONSOLE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "probe", lambda cxx=None: {f.name: "runs" for f in native.FEATURES[:5]})
+
+    def fake_build(partial, features, cxx, on_progress, jobs):
+        (partial / "work").mkdir(parents=True)
+        return Path(script(partial / "work" / "llama-server", server))
+
+    monkeypatch.setattr(native, "_build", fake_build)
+    model = str(tmp_path / "small.gguf")
+    if kept:
+        assert native.ensure_built(model=model).features == [f.name for f in native.FEATURES[:5]]
+    else:
+        with pytest.raises(native.BuildError, match=r"faults \(SIGILL\) on .*small.gguf, with no set left to leave"):
+            native.ensure_built(model=model)
+        assert native.cached_builds() == []
+    assert not list(native.cache_root().glob("*.partial-*"))
 
 
 def test_without_a_compiler_the_wheel_serves_and_says_why(monkeypatch, tmp_path):

@@ -51,7 +51,7 @@ def machine() -> dict:
 
 
 # the code that shapes what a pass costs: a change to any of them (a faster kernel, a leaner forward) changes it
-COSTED = ("grouped_int8.cpp", "decoder.py", "forward.py", "kv_cache.py", "optimize.py")
+COSTED = ("grouped_int8.cpp", "decoder_layer.cpp", "decoder.py", "forward.py", "kv_cache.py", "optimize.py")
 
 
 def code_key() -> str:

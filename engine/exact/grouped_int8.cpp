@@ -426,7 +426,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor code, torch::Tensor scale, t
   return N == N16 ? y.view(shape) : y.narrow(1, 0, N).reshape(shape);
 }
 
+void register_decoder_layer(pybind11::module_& m);  // decoder_layer.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear);
   m.def("vnni_supported", &vnni_supported);
+  register_decoder_layer(m);
 }

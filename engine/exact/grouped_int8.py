@@ -46,7 +46,8 @@ GROUP = 32  # weights (and activations) sharing one scale: a row of K inputs has
 # codes 0..120: code * activation pairs must fit int16 in AVX2's maddubs (<= 127), and 120 steps hold the 15 steps of
 # a GGUF Q4_K group (and the 3, 5 or 8 of other grids) exactly
 LEVELS = 120
-SOURCE = Path(__file__).with_name("grouped_int8.cpp")
+# the kernel, and a decoder layer's small operations around it (engine.exact.decoder), compiled into one module
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("grouped_int8.cpp", "decoder_layer.cpp"))
 
 
 def unavailable() -> str | None:
@@ -65,8 +66,8 @@ STALE_BUILD_S = 3600  # a private build directory this old was left by a start t
 
 
 def build_key() -> str:
-    """What the compiled module depends on: the source, torch, Python, the machine's kind and the flags."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+    """What the compiled module depends on: the sources, torch, Python, the machine's kind and the flags."""
+    h = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
     h.update(f"{torch.__version__} {sys.version_info[:2]} {platform.machine()} {CFLAGS} {LDFLAGS}".encode())
     return h.hexdigest()[:16]
 
@@ -95,7 +96,7 @@ def kernel():
     log.info("compiling the int8 kernel into %s (once per machine: about a minute)", built)
     try:
         # copies: torch's load() appends its own libraries to the list it is given, which changed build_key()
-        module = load(NAME, [str(SOURCE)], build_directory=str(build), extra_cflags=list(CFLAGS),
+        module = load(NAME, [str(source) for source in SOURCES], build_directory=str(build), extra_cflags=list(CFLAGS),
                       extra_ldflags=list(LDFLAGS))
     except BaseException:
         shutil.rmtree(build, ignore_errors=True)
@@ -239,7 +240,16 @@ class GroupedInt8Linear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernel().linear(x, self.code, self.scale, self.low, self.bias, self.out_features, self.vnni)
+        return kernel().linear(x, *self.operands())
+
+    def operands(self) -> tuple:
+        """What the kernel takes besides the input: the codes, this form's two tensors of scales, the bias, the
+        output width and whether to use VNNI."""
+        return self.code, self.scale, self.low, self.bias, self.out_features, self.vnni
+
+    def kernel_operands(self, rows: int) -> tuple:
+        """operands() for passes of up to `rows` rows (engine.exact.decoder): the kernel runs every pass."""
+        return self.operands()
 
     def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         """scale and low [N16 / 16, groups, 16] float32, as the kernel uses them."""
@@ -311,8 +321,8 @@ class GroupedQ4KLinear(GroupedInt4Linear):
             layer.register_buffer("sc_m", torch.empty(blocks, groups, 2, LANES, dtype=torch.uint8))
         return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernel().linear(x, self.code, self.d_dmin, self.sc_m, self.bias, self.out_features, self.vnni)
+    def operands(self) -> tuple:
+        return self.code, self.d_dmin, self.sc_m, self.bias, self.out_features, self.vnni
 
     def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         d, negated_dmin = (t.float().repeat_interleave(SUPER, dim=1) for t in self.d_dmin.unbind(2))
@@ -353,8 +363,8 @@ class GroupedQ6KLinear(GroupedInt8Linear):
             layer.register_buffer("sc", torch.empty(blocks, 2 * groups, LANES, dtype=torch.int8))
         return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernel().linear(x, self.code, self.d, self.sc, self.bias, self.out_features, self.vnni)
+    def operands(self) -> tuple:
+        return self.code, self.d, self.sc, self.bias, self.out_features, self.vnni
 
     def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         raise TypeError("a Q6_K layer has a scale per 16 weights and no low: unblocked() gives its terms")

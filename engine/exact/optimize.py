@@ -133,6 +133,11 @@ class Int4Draft(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] float32
         return self.wide(x) if x.numel() > DRAFT_NARROW_ROWS * self.in_features else self.narrow(x)
 
+    def kernel_operands(self, rows: int) -> tuple | None:
+        """The int8 kernel's operands for passes of up to `rows` rows (engine.exact.decoder), None where torch's
+        int8 Linear runs some of them."""
+        return self.narrow.operands() if rows <= DRAFT_NARROW_ROWS else None
+
 
 def int4_draft_or_int8(linear: nn.Linear) -> nn.Module:
     """The int4 target's draft converter: Int4Draft where the kernel takes the layer's width, else int8."""

