@@ -1,10 +1,10 @@
 """The machine's memory bandwidth as a benchmark runs, to tell its slow spells from its fast ones.
 
-Our 2-core VMs switch, for half a minute to a few minutes at a time, between two memory bandwidths: on the AMD EPYC Zen 4 a
-1 GiB read ran at about 36 GB/s or about 63 GB/s (2026-12-06), nothing else running. A decoding step of our int4
-target then took about 38.9 or 30.7 ms, llama.cpp's about 31.5 or 28.5 (docs/llamacpp.md): our engine slows more in
-the slow spells, so a ratio against llama.cpp depends on the spell it was measured in. A benchmark reads the bandwidth
-before and after each repeat and reports its ratios per spell.
+Our 2-core VMs switch, for half a minute to a few minutes at a time, between two memory bandwidths: on the AMD EPYC
+Zen 4 a 1 GiB read ran at about 36 GB/s or about 63 GB/s (2026-12-06), nothing else running. A decoding step of our
+int4 target then took about 38.9 or 30.7 ms, llama.cpp's about 31.5 or 28.5 (docs/llamacpp.md): our engine slows more
+in the slow spells, so a ratio against llama.cpp depends on the spell it was measured in. A benchmark reads the
+bandwidth before and after each repeat and reports its ratios per spell.
 """
 
 from __future__ import annotations
