@@ -7,7 +7,8 @@ Two modes, shown and saved with every run:
   under `ui_lock`, which the engines take around each turn; and a turn starts only once Gradio has serialised the
   page's last update (`page_idle`). What the console's other threads still spend during timed passes is counted
   (specconsole.machine.ConsoleWork) and marks the run noisy when it matters.
-- race: both engines run at once in two threads, on wall-clock time, sharing the machine.
+- race: both engines run at once in two threads, on wall-clock time, sharing the machine (the local engine
+  process computes one pass at a time: there their passes take turns as they come, engine.process.child).
 
 An N-way comparison adds up to three more speculative engines, "speculative-2" .. "speculative-4", each
 with its own drafting settings and label (specconsole.variants), or on vLLM each served by a speculative server of

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 
 def tiny_chat_backend(on_progress=None, hidden: int = 0, target_only: bool = False):
@@ -43,3 +44,33 @@ def failing_backend(on_progress=None):
 def dying_backend(on_progress=None):
     """A process that dies while it loads (as one killed by the kernel's OOM killer would)."""
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _ThreadsSeen:
+    """A backend that notes which thread built it and which thread computed each event of its engines' streams;
+    memory() returns the notes, (what, thread id) pairs."""
+
+    def __init__(self, inner):
+        self.inner, self.seen = inner, [("build", threading.get_ident())]
+
+    def _watch(self, what, stream):
+        for event in stream:
+            self.seen.append((what, threading.get_ident()))
+            yield event
+
+    def baseline(self, req, cancel=None, clock=None):
+        return self._watch("baseline", self.inner.baseline(req, cancel, clock))
+
+    def speculative(self, req, cancel=None, clock=None, engine="speculative"):
+        return self._watch("speculative", self.inner.speculative(req, cancel, clock, engine=engine))
+
+    def memory(self):
+        return {"threads": list(self.seen)}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def threads_seen_backend(on_progress=None):
+    """tiny_chat_backend, noting the threads that build it and compute its passes (_ThreadsSeen)."""
+    return _ThreadsSeen(tiny_chat_backend(on_progress))

@@ -21,7 +21,7 @@ from engine.request import build_request
 from specconsole.history import History
 from specconsole.runner import Comparison
 from tests.conftest import run_to_end
-from tests.engine_factories import dying_backend, failing_backend, tiny_chat_backend
+from tests.engine_factories import dying_backend, failing_backend, threads_seen_backend, tiny_chat_backend
 
 PROMPT = "Write a function that adds two numbers, then explain it line by line."
 
@@ -48,6 +48,22 @@ def test_the_engines_passes_run_in_the_engine_process(engines, tmp_path):
     assert pids == {"baseline": engines.pid, "speculative": engines.pid} and engines.pid != os.getpid()
     assert history.results(comp.run_id)["baseline"].metrics.engine_pid == engines.pid  # saved with the run
     assert comp.comparison().identical
+
+
+@pytest.mark.parametrize("mode", ["fair", "race"])
+def test_one_thread_builds_the_models_and_computes_every_pass(mode):
+    """torch's OpenMP keeps a pool of workers per thread that ran a parallel operation, and a second pool alive slows
+    every pass (engine.process.child): the thread that built the models computes every event of both engines, in
+    fair mode and with the engines at once (race mode)."""
+    process = EngineProcess(threads_seen_backend).start()
+    try:
+        comp = run_to_end(Comparison(process, request(24), mode, None, {}))
+        assert comp.comparison().identical
+        seen = process.memory()["threads"]
+    finally:
+        process.close()
+    assert {what for what, _ in seen} == {"build", "baseline", "speculative"}
+    assert {thread for _, thread in seen} == {seen[0][1]}, seen
 
 
 @pytest.mark.parametrize("method", ["hybrid", "ngram"])

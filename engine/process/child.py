@@ -15,8 +15,14 @@ and reads ("progress", stage, done, total) while the models load, then ("ready",
 
 A stream computes only when asked ("next"), one pass at a time, so that the console decides when each engine runs
 (fair mode's turns). Its clock runs only while it computes: the pipe's round trip and whatever the console does
-between two passes are not the engine's time. Each stream has a thread of its own, so that two engines can also run
-at once (race mode), as they would in one process.
+between two passes are not the engine's time.
+
+Every pass of every stream, the backend's build and the calls that run the models run on one thread, the engine
+thread, in the order they were asked for (so engines asked for at once, race mode, take turns pass by pass). torch's
+OpenMP (libgomp) keeps a pool of worker threads for each thread that ever ran a parallel operation; with two pools
+alive it manages more threads than the machine has cores, its workers stop spinning between operations, and each
+of the ~1,000 operations of a pass pays a wake-up: a second pool, idle, made the int4 target's one-row step 1.36x
+slower on a 2-core Intel Xeon (docs/page-cost.md#one-engine-thread-2026-12-06).
 """
 
 from __future__ import annotations
@@ -24,10 +30,10 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import queue
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from multiprocessing.connection import Connection
 from typing import Callable
@@ -37,9 +43,11 @@ from engine.events import RunResult, StepRecord
 
 log = logging.getLogger(__name__)
 
-# the Backend methods the console may call over the pipe; streams are opened with "stream"
-CALLS = ("validate", "ignored_settings", "score", "describe", "memory", "drafting", "reconfigure", "variants",
-         "why_float32", "calibration", "recalibrate")
+# the Backend methods the console may call over the pipe; streams are opened with "stream". Those that run the models
+# (or reload them) run on the engine thread, after the passes asked for before them; the others answer at once.
+ENGINE_CALLS = ("score", "reconfigure", "recalibrate")
+CALLS = ("validate", "ignored_settings", "describe", "memory", "drafting", "variants", "why_float32", "calibration",
+         *ENGINE_CALLS)
 
 
 def portable(error: BaseException) -> BaseException:
@@ -51,55 +59,60 @@ def portable(error: BaseException) -> BaseException:
         return RuntimeError(f"{type(error).__name__}: {error}")
 
 
-class Stream(threading.Thread):
-    """One engine's run in this process, advanced one pass per "next"."""
+class Stream:
+    """One engine's run in this process, advanced one pass per "next" on the engine thread."""
 
     def __init__(self, sid: int, open_run: Callable, send: Callable):
-        super().__init__(daemon=True, name=f"engine-stream-{sid}")
         self.sid, self.open_run, self.send = sid, open_run, send
-        self.commands: queue.Queue = queue.Queue()
-        self.cancel = threading.Event()
+        self.cancel = threading.Event()  # set by the pipe's reader at once, seen after the pass in progress
         self.clock = EngineClock()
+        self.events = None  # the backend's stream, opened by the first "next"
+        self.done = False
 
-    def run(self) -> None:
-        events = None
-        while self.commands.get() == "next":
-            batch, error, done = [], None, False
-            self.clock.resume()
-            try:
-                if events is None:
-                    events = iter(self.open_run(self.cancel, self.clock))
-                for event in events:
-                    batch.append(event)
-                    if isinstance(event, (StepRecord, RunResult)):
-                        break
-                else:
-                    done = True
-            except Exception as e:  # noqa: BLE001 - the console reports it as the engine's failure
-                error, done = portable(e), True
-            finally:
-                self.clock.pause()
-            if batch and isinstance(batch[-1], RunResult):
-                batch[-1].metrics.engine_pid = os.getpid()  # where the passes ran, saved with the run
+    def advance(self) -> None:
+        """Run up to the end of the next target pass (a StepRecord) or of the run, and send what it made."""
+        if self.done:
+            return
+        batch, error, done = [], None, False
+        self.clock.resume()
+        try:
+            if self.events is None:
+                self.events = iter(self.open_run(self.cancel, self.clock))
+            for event in self.events:
+                batch.append(event)
+                if isinstance(event, (StepRecord, RunResult)):
+                    break
+            else:
                 done = True
-            try:
-                self.send(("events", self.sid, batch, error, done))
-            except Exception as e:  # noqa: BLE001 - an event that does not pickle: the run ends, and says why
-                self.send(("events", self.sid, [], portable(e), True))
-                return
-            if done:
-                return
-        if events is not None and hasattr(events, "close"):
-            events.close()
+        except Exception as e:  # noqa: BLE001 - the console reports it as the engine's failure
+            error, done = portable(e), True
+        finally:
+            self.clock.pause()
+        if batch and isinstance(batch[-1], RunResult):
+            batch[-1].metrics.engine_pid = os.getpid()  # where the passes ran, saved with the run
+            done = True
+        self.done = done
+        try:
+            self.send(("events", self.sid, batch, error, done))
+        except Exception as e:  # noqa: BLE001 - an event that does not pickle: the run ends, and says why
+            self.done = True
+            self.send(("events", self.sid, [], portable(e), True))
+
+    def close(self) -> None:
+        """Drop the run (a stream closed before its end: its generator's cleanup runs)."""
+        self.done = True
+        if self.events is not None and hasattr(self.events, "close"):
+            self.events.close()
 
 
 def serve(conn, factory: Callable) -> None:
-    """Build the backend with `factory(on_progress)`, then serve `conn` until "stop" or until the console is gone
-    (the pipe's end-of-file: however the console ended, SIGKILL included)."""
+    """Build the backend with `factory(on_progress)` on the engine thread, then serve `conn` until "stop" or until the
+    console is gone (the pipe's end-of-file: however the console ended, SIGKILL included)."""
     from engine.setup import setup
 
     setup()
     lock = threading.Lock()
+    engine = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")  # the engine thread (module docstring)
 
     def send(message) -> None:
         """One message to the console; pickled first, so that one that does not pickle raises here, whole."""
@@ -108,7 +121,7 @@ def serve(conn, factory: Callable) -> None:
             conn.send_bytes(data)
 
     try:
-        backend = factory(lambda stage, done, total: send(("progress", stage, done, total)))
+        backend = engine.submit(factory, lambda stage, done, total: send(("progress", stage, done, total))).result()
     except Exception as e:  # noqa: BLE001 - the console shows why the models did not load
         log.exception("the engines did not load")
         send(("failed", portable(e)))
@@ -140,31 +153,32 @@ def serve(conn, factory: Callable) -> None:
         if what == "stop":
             break
         if what == "stream":
-            sid, kind, request, engine = message[1:]
+            sid, kind, request, engine_name = message[1:]
             # open_run(cancel, clock): the backend's stream of this request
             open_run = (partial(backend.baseline, request) if kind == "baseline"
-                        else partial(backend.speculative, request, engine=engine))
-            stream = streams[sid] = Stream(sid, open_run, send)
-            stream.start()
+                        else partial(backend.speculative, request, engine=engine_name))
+            streams[sid] = Stream(sid, open_run, send)
         elif what in ("next", "close", "cancel"):
             stream = streams.get(message[1])
             if stream is None:
                 continue
             if what == "cancel":
                 stream.cancel.set()
+            elif what == "next":
+                engine.submit(stream.advance)
             else:
-                stream.commands.put(what)
-            if what == "close":
-                streams.pop(message[1])
+                engine.submit(streams.pop(message[1]).close)
         elif what == "call":
             cid, name, args = message[1:]
-            if name in CALLS:
+            if name in ENGINE_CALLS:
+                engine.submit(call, cid, name, args)
+            elif name in CALLS:  # answered at once, also while a pass runs
                 threading.Thread(target=call, args=(cid, name, args), daemon=True, name="engine-call").start()
             else:
                 send(("reply", cid, None, AttributeError(f"the engine process serves no call {name!r}")))
-        for sid in [sid for sid, s in streams.items() if not s.is_alive() and s.commands.empty()]:
+        for sid in [sid for sid, s in streams.items() if s.done]:
             streams.pop(sid)  # ended streams (the console closes each, but one that died with it may not)
-    backend.close()
+    engine.submit(backend.close).result()
 
 
 def _orphaned(console: int) -> None:
