@@ -19,14 +19,16 @@ from specconsole.render import PanelFeed, engines_html, figures_html
 from specconsole.runner import Comparison
 
 # The page must not take the CPU it measures (the browser runs on the engines' cores, during their timed passes):
-# panels receive only their new tokens, five times a second at most; the figures once a second; plotly re-lays out
-# a whole chart per update, the browser's largest cost (docs/page-cost.md), so charts every 5 s and at the end.
-PANEL_EVERY_S = 0.2
+# panels receive only their new tokens; the browser's work per update grows with the panels it appends to, so the
+# panels update every PANEL_S_PER_ENGINE per engine shown (0.3 s for two, 0.75 s for five); the figures once a
+# second; plotly re-lays out a whole chart per update, the browser's largest cost (docs/page-cost.md), so charts
+# every 10 s and at the end.
+PANEL_S_PER_ENGINE = 0.15
 # where every update lands in an engine's timed run (race mode, turns that are whole runs: llama.cpp and vLLM servers
-# on shared cores), two a second: the browser's work grows with the updates, not with their tokens (docs/page-cost.md)
+# on shared cores), at most two a second: the browser's work grows with the updates, not with their tokens
 PANEL_WHILE_TIMED_S = 0.5
 FIGURES_EVERY_S = 1.0
-CHART_EVERY_S = 5.0
+CHART_EVERY_S = 10.0
 SETTLE_S = 0.05  # after an update is handed to Gradio, before the next timed pass may start
 CHARTS = 4  # how many figures_for() returns, in a run's outputs after the feed and the figures
 
@@ -80,6 +82,13 @@ def _save_note(comp: Comparison) -> str:
     return f'<div class="panel-error save-error">{escape(comp.save_error)}</div>' if comp.save_error else ""
 
 
+def panel_interval(comp: Comparison) -> float:
+    """Seconds between two updates of the panels: PANEL_S_PER_ENGINE per panel, and at least PANEL_WHILE_TIMED_S
+    where the updates land in timed runs."""
+    every = PANEL_S_PER_ENGINE * len(comp.engines)
+    return max(every, PANEL_WHILE_TIMED_S) if comp.timed_while_streaming else every
+
+
 def hand_over(comp: Comparison, update):
     """Yields one update to Gradio, which postprocesses it (plotly's JSON, the diff to the last one) and sends it to
     the browser before it asks for the next one; then, SETTLE_S later, lets the next timed pass go (page_idle: the
@@ -92,11 +101,10 @@ def hand_over(comp: Comparison, update):
 
 
 def stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
-    """Starts the comparison and yields its updates, throttled (PANEL_EVERY_S or PANEL_WHILE_TIMED_S,
-    FIGURES_EVERY_S, CHART_EVERY_S), until it ends. In fair mode each next timed pass waits until the last update
-    was handed over (hand_over)."""
+    """Starts the comparison and yields its updates, throttled (panel_interval, FIGURES_EVERY_S, CHART_EVERY_S),
+    until it ends. In fair mode each next timed pass waits until the last update was handed over (hand_over)."""
     feeds = {e: PanelFeed(panel_run, show_rejected and e != "baseline") for e in comp.engines}
-    every = PANEL_WHILE_TIMED_S if comp.timed_while_streaming else PANEL_EVERY_S
+    every = panel_interval(comp)
     # no chart update as the run begins (there is nothing to chart yet, and the charts' drawing was the
     # browser's largest single cost): the page fades the last run's charts until the first, CHART_EVERY_S in
     last_panel = last_figures = 0.0

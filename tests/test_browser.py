@@ -210,7 +210,7 @@ def test_live_panels_append_and_charts_throttle(console, page):
     url, db = console
     open_console(page, url)
     # long enough for chart updates while it runs (CHART_EVERY_S apart), on a machine a few times faster than a laptop
-    set_run(page, "Write a long story about a dragon who learns to bake bread.", 160)
+    set_run(page, "Write a long story about a dragon who learns to bake bread.", 400)
     page.wait_for_function("() => window.Plotly && window.Plotly.react")  # the empty charts are drawn at load
     page.evaluate(COUNT_REDRAWS)
     page.evaluate(TAG_FIRST_TOKENS)

@@ -139,6 +139,21 @@ def test_a_chart_update_reaches_the_page_without_a_panel_change():
                                                                              "charts": True}
 
 
+def test_the_panels_update_less_often_the_more_of_them_there_are(backend):
+    """The browser's work per update grows with the panels it appends to (docs/page-cost.md): five panels update
+    less often than two; where updates land in timed runs (race mode) never more than PANEL_WHILE_TIMED_S allows."""
+    from engine.request import build_request
+    from specconsole.run_stream import PANEL_WHILE_TIMED_S, panel_interval
+    from specconsole.runner import Comparison
+    from specconsole.variants import Variant
+
+    request = build_request("p", max_new_tokens=4)
+    extra = [Variant(f"K={k}", build_request("p", max_new_tokens=4, k=k, dynamic_k=False)) for k in (2, 3, 4)]
+    two, five = (Comparison(backend, request, "fair", None, {}, extra=e) for e in ((), extra))
+    assert panel_interval(two) < panel_interval(five)
+    assert panel_interval(Comparison(backend, request, "race", None, {})) >= PANEL_WHILE_TIMED_S
+
+
 def test_a_stored_cost_model_is_read_as_numbers_and_its_text_escaped(tmp_path, monkeypatch):
     """The calibration file under the cache is input: its costs are read as numbers (a string figure is converted,
     not passed through), its date is shown as literal text, bounded, and nothing else of it reaches the page."""
