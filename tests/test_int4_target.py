@@ -241,6 +241,8 @@ def test_the_converter_keeps_the_files_codes_and_falls_back_to_int8(caplog):
 
 
 def test_an_int4_targets_draft_steps_on_the_kernel_and_reads_prompts_in_int8():
+    """Its layers' short passes on the int4 kernel, long ones on torch's int8; its output layer, which reads one row
+    a pass, on the int4 kernel alone, and FR-Spec's pruned copy of it gives the kept rows' logits bit for bit."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
     from engine.exact.optimize import DRAFT_NARROW_ROWS, Int4Draft, linear_converter
@@ -249,8 +251,10 @@ def test_an_int4_targets_draft_steps_on_the_kernel_and_reads_prompts_in_int8():
     convert = linear_converter("draft", CPU, int8=True, precision="int4")
     draft = finish(convert_linears(tiny_llama(512, seed=1), convert), "draft")
     layers = [m for m in draft.modules() if isinstance(m, Int4Draft)]
-    assert len(layers) == 2 * 7 and type(draft.lm_head) is DynamicLinear  # FR-Spec prunes an int8 head
-    prune_head(draft.lm_head, torch.arange(0, 512, 2))
+    assert len(layers) == 2 * 7 and type(draft.lm_head) is GroupedInt4Linear
+    kept = torch.tensor([0, 3, 4, 17, 100, 257, 300, 511])
+    hidden = torch.randn(3, 64)
+    assert torch.equal(prune_head(draft.lm_head, kept)(hidden), draft.lm_head(hidden)[:, kept])
     layer, x = layers[0], torch.randn(1, 40, 64)
     short, long = x[:, :DRAFT_NARROW_ROWS], x
     assert torch.equal(layer(short), layer.narrow(short)) and torch.equal(layer(long), layer.wide(long))

@@ -238,6 +238,8 @@ def test_the_draft_is_stored_in_its_running_form_and_read_next_time(tmp_path, mo
     monkeypatch.setattr(gguf_load, "load_gguf_model", refuse)
     read = load("smollm2-135m-instruct", "draft", CPU, int8=True, precision=precision)
     assert bool([m for m in read.model.modules() if isinstance(m, Int4Draft)]) == (precision == "int4")
+    # beside an int4 target the output layer runs on the int4 kernel alone (it reads one row a pass)
+    assert (type(read.model.lm_head) is grouped_int8.GroupedInt4Linear) == (precision == "int4")
     assert same(read, built) and read.nbytes == built.nbytes
     monkeypatch.setattr(gguf_load, "load_gguf_model", build_for_real)
     stored.write_bytes(b"half a file")

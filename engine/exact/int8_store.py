@@ -12,9 +12,10 @@ with a Q6_K tensor's codes and scales.
 Beside such a target the draft's load is the longest part of a start, so the draft is stored too (form
 "draft-int8" beside an int8 target, "draft-int4" beside an int4 one), its file listing each Linear's form: torch's
 dynamic int8 Linear (its int8 weight is stored; fbgemm packs it again at load, most of what is left of the draft's
-load) or engine.exact.optimize.Int4Draft (the int4 kernel's codes and that int8 copy). That saves the dequantizing
-and quantizing (14 s of the default draft's 25 s load on the 2-core Intel Xeon). Beside a float32 target nothing is
-stored: the target's packing is the longer load there, and storing the draft did not shorten the start.
+load) or engine.exact.optimize.Int4Draft (the int4 kernel's codes and that int8 copy; its output layer: the codes
+alone). That saves the dequantizing and quantizing (14 s of the default draft's 25 s load on the 2-core Intel Xeon).
+Beside a float32 target nothing is stored: the target's packing is the longer load there, and storing the draft did
+not shorten the start.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ log = logging.getLogger(__name__)
 # a draft's Linear forms by their names in the stored file: (the type, an empty one of a shape for load_state_dict)
 DRAFT_FORMS = {"dynamic-int8": (DynamicLinear, dynamic_int8_shell), "int4-draft": (Int4Draft, Int4Draft.shell)}
 
-# bump when grouped_int8's layout or quantization changes: older files are then not read (3: an int4 target's Q6_K
-# Linears keep the file's codes and scales; a version 2 file, still readable, would give them int8 codes)
-FORMAT = 3
+# bump when grouped_int8's layout or quantization changes: older files are then not read (4: the int4 target's draft
+# keeps its output layer on the int4 kernel; a version 3 file, still readable, would give it torch's int8 one)
+FORMAT = 4
 
 
 def store_path(gguf: Path, precision: str = "int8") -> Path:

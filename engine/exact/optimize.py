@@ -245,6 +245,8 @@ def finish(model: nn.Module, role: str) -> nn.Module:
         register_attention()
         model.config._attn_implementation = "rowwise"
     head = model.get_output_embeddings()
-    if isinstance(head, Int4Draft):  # the output layer stays torch's int8: FR-Spec prunes its rows (engine.exact.vocab)
-        model.set_output_embeddings(head.wide)
+    if isinstance(head, Int4Draft):
+        # a draft reads one row of logits a pass (its prompt pass included): the output layer, a large share of a
+        # 0.5B draft's bytes, always runs on the int4 kernel, and the int8 copy for long passes is not kept
+        model.set_output_embeddings(head.narrow)
     return model.eval()

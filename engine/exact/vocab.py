@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from engine.exact.grouped_int8 import GroupedInt4Linear, GroupedInt8Linear
 from engine.exact.optimize import int8_linear
 from engine.limits import SettingsError
 from engine.cache import cache_dir
@@ -126,10 +127,16 @@ class PrunedHead:
 
 
 def prune_head(head: nn.Module, ids: torch.Tensor) -> PrunedHead:
-    """The rows `ids` of an output layer: a float Linear (tiny models, GPU) or an int8 dynamic-quantized one (the
-    CPU draft), whose kept int8 rows keep the scale and zero point, so the subset logits are bitwise the full ones."""
+    """The rows `ids` of an output layer: a float Linear (tiny models, GPU), the int4 kernel's (the draft beside an
+    int4 target) or an int8 dynamic-quantized one (beside an int8 target), whose kept rows keep their codes and
+    scales, so the subset logits are bitwise the full ones (the kernel computes each output row on its own)."""
     quantized = torch.ao.nn.quantized.dynamic.Linear
-    if isinstance(head, quantized):
+    if type(head) in (GroupedInt8Linear, GroupedInt4Linear):
+        code, scale, low = head.unblocked()
+        shape = nn.Linear(head.in_features, len(ids), bias=False, device="meta")
+        layer = type(head)(shape, groups=(code[ids], scale[ids], low[ids]))
+        layer.bias = None if head.bias is None else head.bias[ids].contiguous()
+    elif isinstance(head, quantized):
         weight, bias = head.weight(), head.bias()
         if weight.qscheme() != torch.per_tensor_affine:
             raise SettingsError(f"FR-Spec prunes per-tensor int8 output layers, not {weight.qscheme()}")
