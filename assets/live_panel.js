@@ -45,7 +45,26 @@ function purgeLeftGraphs() {
   graphs = [...document.querySelectorAll('.js-plotly-plot')];
 }
 
+// Gradio's plot component follows each new value (Plotly.react) with Plotly.Plots.resize, which lays the chart out
+// and draws it again 100 ms later, even where its size has not changed: the charts, the page's largest cost, drawn
+// twice (docs/page-cost.md). The resize goes ahead where the chart no longer fits its box (a wider window).
+const RESIZE_DEBOUNCE_MS = 100;  // plotly's own
+function fits(gd) {
+  const layout = gd._fullLayout, box = gd.isConnected && window.getComputedStyle(gd);
+  return Boolean(layout && box) && Math.abs(parseFloat(box.width) - layout.width) <= 1
+    && Math.abs(parseFloat(box.height) - layout.height) <= 1;
+}
+function drawChartsOnce() {
+  const plots = window.Plotly?.Plots;
+  if (!plots || plots.resize.onlyWhereNeeded) return;
+  const resize = plots.resize;
+  plots.resize = (gd) => new Promise((done) => setTimeout(
+    () => (fits(gd) ? done(gd) : resize(gd).then(done, done)), RESIZE_DEBOUNCE_MS));
+  plots.resize.onlyWhereNeeded = true;
+}
+
 function apply() {
+  drawChartsOnce();
   if (!props.value) return;
   const update = JSON.parse(props.value);
   for (const [engine, m] of Object.entries(update.panels)) {

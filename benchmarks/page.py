@@ -7,13 +7,15 @@
     python -m benchmarks.page --presenter                    the page in presenter view (?view=present)
 
 Options this script does not know (--llamacpp-method, --llamacpp-threads, --target, ...) go to launch.py, so that
-both phases build the same backend the same way (specconsole.backends.backend_host). Managed vLLM servers: each phase
-starts its own pair on free ports (four servers, two at a time idle), so that both run them as the console does, one
-core each.
+both phases build the same backend the same way (specconsole.backends.backend_host).
 
-The backend is built twice, the same way: for this process (the API: specconsole.runner.Comparison, fair mode, no
-page, as `launch.py demo` drives it) and for the console (launch.py on a free loopback port, a fresh history file),
-which Debian's Chromium shows; the local engines of each run in an engine process of their own (engine.process).
+The console (launch.py on a free loopback port, a fresh history file) builds its backend, and Debian's Chromium shows
+it. The API (specconsole.runner.Comparison, fair mode, no page, as `launch.py demo` drives it) runs in this process:
+- with servers (llama.cpp, vLLM) it attaches to the console's own (--llamacpp-attach, --vllm-attach), so that the page
+  and the API drive the very same server processes: two llama-servers of one build and one model decoded 10 % apart
+  here, by the order in which they had started (docs/page-cost.md, "The same servers for the page and the API");
+- the local engines, which run in an engine process the console owns (engine.process), are built a second time, the
+  same way, in an engine process of the API's own.
 The same comparison then runs `--runs` times in the page and `--runs` times through the API, in pairs (the order
 reversed on odd pairs, after a warm-up pair), so that the machine's drift falls on both alike. Each page run
 records the browser's CPU seconds per wall second (all its processes), the console process's, the engines'
@@ -31,6 +33,7 @@ import io
 import json
 import logging
 import os
+import re
 import socket
 import sqlite3
 import statistics
@@ -39,6 +42,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -98,9 +102,28 @@ def browser_processes(console_pid: int) -> list[psutil.Process]:
     return [p for p in psutil.Process().children(recursive=True) if p.pid not in skip and "chrom" in p.name()]
 
 
+# the console's log line for each server it started (engine.llamacpp.server, engine.vllm.server): role, URL
+SERVER_READY = re.compile(r"\b(baseline|speculative(?:-\d+)?) (?:llama\.cpp engine|server) ready at (http\S+)")
+
+
+@dataclass
+class Console:
+    """The console of a page session: its process, and the URLs of the servers it started (the baseline's first;
+    none for the local backend)."""
+    process: psutil.Process
+    servers: list[str]
+
+
+def console_servers(log_text: str) -> list[str]:
+    """The servers' URLs in a console's log, the baseline's first, then speculative, speculative-2, ..."""
+    found = dict(SERVER_READY.findall(log_text))
+    return [found[role] for role in sorted(found, key=lambda role: (role != "baseline", role))]
+
+
 @contextmanager
 def page_session(args):
-    """The console in a subprocess and Chromium showing it; yields a function that makes one run in the page."""
+    """The console in a subprocess and Chromium showing it; yields the Console and a function that makes one run in
+    the page."""
     from playwright.sync_api import sync_playwright
 
     work = Path(tempfile.mkdtemp(prefix="specconsole-page-"))
@@ -108,7 +131,7 @@ def page_session(args):
     log.info("console log: %s", console_log.name)
     port = args.console_port
     env = dict(os.environ, HF_HUB_OFFLINE="1", GRADIO_ANALYTICS_ENABLED="False")
-    command = [sys.executable, "launch.py", *launch_args(args, "page"), "--port", str(port), "--db", str(db)]
+    command = [sys.executable, "launch.py", *launch_args(args), "--port", str(port), "--db", str(db)]
     console = subprocess.Popen(command, cwd=ROOT, env=env, stdout=console_log, stderr=subprocess.STDOUT)
     try:
         with sync_playwright() as pw:
@@ -136,6 +159,8 @@ def page_session(args):
             if args.presenter:
                 page.click("#present-toggle")
             console_proc = psutil.Process(console.pid)
+            console_log.flush()
+            servers = console_servers((work / "console.log").read_text())
             devtools = page.context.new_cdp_session(page)
             devtools.send("Performance.enable")
 
@@ -154,7 +179,7 @@ def page_session(args):
                                           "browser_kinds": kinds, "console_cores": (c1 - c0) / wall, "wall_s": wall,
                                           **page_kept(devtools)}
 
-            yield run
+            yield Console(console_proc, servers), run
             browser.close()
     finally:
         console.terminate()
@@ -245,12 +270,14 @@ def engines(args) -> list[str]:
     return ["baseline", "speculative", *(extra_engine(i) for i in range(len(args.compare)))]
 
 
-def launch_args(args, phase: str) -> list[str]:
-    """A phase's command line ("page": the console's, "API"): the preset, the backend and the options launch.py takes
-    for them. Managed vLLM servers listen on ports: each phase gets its own free ones."""
+def launch_args(args, attach: list[str] | None = None) -> list[str]:
+    """A command line for launch.py: the preset, the backend and the options launch.py takes for them; attached to
+    the servers at `attach` (the console's) where given. Managed vLLM servers listen on the ports chosen for them."""
     ports = []
-    if args.backend == "vllm" and not any(a.startswith(("--vllm-ports", "--vllm-attach")) for a in args.launch):
-        ports = ["--vllm-ports", ",".join(map(str, args.vllm_ports[phase]))]
+    if attach:
+        ports = [f"--{args.backend}-attach", ",".join(attach)]
+    elif args.backend == "vllm" and not any(a.startswith(("--vllm-ports", "--vllm-attach")) for a in args.launch):
+        ports = ["--vllm-ports", ",".join(map(str, args.vllm_ports))]
     return ["--preset", args.preset, "--backend", args.backend, *ports, *args.launch]
 
 
@@ -267,9 +294,9 @@ def free_ports(n: int) -> list[int]:
 
 
 @contextmanager
-def api_session(args):
-    """The backend the console builds, in this process; yields a function that makes one run through its API
-    (specconsole.runner.Comparison, fair mode, no page)."""
+def api_session(args, console: Console):
+    """The backend the console builds, in this process (attached to the console's servers, where it has any);
+    yields a function that makes one run through its API (specconsole.runner.Comparison, fair mode, no page)."""
     from specconsole import cli
     from specconsole.backends import backend_host
     from engine.request import build_request
@@ -280,14 +307,16 @@ def api_session(args):
     p = argparse.ArgumentParser(prog="launch.py")
     cli.add_engine_args(p)
     cli.add_backend_args(p)
-    host = backend_host(p.parse_args(launch_args(args, "API"))).start()
+    before = {proc.pid for proc in psutil.Process().children(recursive=True)}  # the console and Chromium
+    host = backend_host(p.parse_args(launch_args(args, console.servers))).start()
     try:
         if not host.wait():
             raise RuntimeError(f"the API's backend did not load: {host.status()}")
-        # The API's own servers, if any, are this process's children now. The console and Chromium, started next,
-        # are too: without this, specconsole.machine would count their work as the API's engines' and not as a
-        # disturbance.
-        own = psutil.Process().children(recursive=True)
+        # The API's engines: the console's servers it attached to, or its own engine process. specconsole.machine
+        # would take all of this process's children (the console and Chromium too) for the engines, and their work
+        # then for the runs' own, not for a disturbance.
+        own = (console.process.children(recursive=True) if console.servers else
+               [proc for proc in psutil.Process().children(recursive=True) if proc.pid not in before])
         machine_module._servers = lambda: [proc for proc in own if proc.is_running()]
         req = build_request(PROMPT, max_new_tokens=args.max_new_tokens, method=host.method)  # the page's defaults
         extra = from_presets(req, args.compare)
@@ -314,7 +343,7 @@ def interleaved(args) -> tuple[list[dict], list[dict]]:
     """`args.runs` runs in the page and as many through the API, in pairs, the order reversed on odd pairs, so that
     the machine's drift over minutes falls on both alike; the first pair is a warm-up."""
     page, api = [], []
-    with api_session(args) as api_run, page_session(args) as page_run:
+    with page_session(args) as (console, page_run), api_session(args, console) as api_run:
         for i in range(args.runs + 1):
             pair = [("page", page_run, page), ("API", api_run, api)]
             for name, run, rows in pair if i % 2 == 0 else pair[::-1]:
@@ -345,8 +374,8 @@ def main(argv=None) -> int:
     args, rest = p.parse_known_args(argv)
     args.compare = [n.strip() for n in args.compare.split(",") if n.strip()]
     args.launch = rest  # launch.py's own options
-    ports = free_ports(5)  # chosen at once, all different: the console's, then each phase's vLLM servers'
-    args.console_port, args.vllm_ports = ports[0], {"page": ports[1:3], "API": ports[3:]}
+    ports = free_ports(3)  # chosen at once, all different: the console's, then its vLLM servers'
+    args.console_port, args.vllm_ports = ports[0], ports[1:]
     if not os.path.exists(CHROMIUM):
         log.error("needs Debian's chromium at %s (bash .ci/setup test installs it)", CHROMIUM)
         return 2

@@ -270,6 +270,46 @@ def test_live_panels_append_and_charts_throttle(console, page):
         f"{len(states)} chart updates for {passes} passes and {engine_s:.1f} s of the engines' time")
 
 
+# Counts, per chart, plotly's relayouts: what its resize does when it lays a chart out and draws it again.
+WATCH_RELAYOUTS = """() => {
+    window.relayouts = {};
+    const watch = (gd) => {
+        if (gd.relayoutsWatched || !gd.on) return;
+        gd.relayoutsWatched = true;
+        const chart = gd.closest('[id^=chart-]')?.id;
+        gd.on('plotly_relayout', () => { window.relayouts[chart] = (window.relayouts[chart] || 0) + 1; });
+    };
+    new MutationObserver(() => document.querySelectorAll('.js-plotly-plot').forEach(watch))
+        .observe(document.body, {childList: true, subtree: true});
+    document.querySelectorAll('.js-plotly-plot').forEach(watch);
+}"""
+CHARTS = ("chart-steps", "chart-positions", "chart-tokens", "chart-time")
+
+
+def test_each_chart_update_is_drawn_once_and_a_resized_window_redraws_them(console, page):
+    """Gradio follows every chart update with plotly's resize, which lays the chart out and draws it a second time
+    100 ms later: the page skips that where the chart still fits its box, and keeps it where the box changed."""
+    url, _ = console
+    open_console(page, url)
+    set_run(page, "Write a short poem about the sea.", 48)
+    page.wait_for_function("() => window.Plotly && window.Plotly.react")
+    page.evaluate(WATCH_RELAYOUTS)
+    page.click("#run")
+    wait_for_run(page)
+    page.wait_for_timeout(500)  # past plotly's resize debounce after the end's chart update
+    assert page.evaluate("window.relayouts") == {}
+    fitting = f"""() => {list(CHARTS)}.map(id => {{
+        const gd = document.querySelector('#' + id + ' .js-plotly-plot');
+        return Math.abs(gd._fullLayout.width - parseFloat(getComputedStyle(gd).width)) <= 1; }})"""
+    assert all(page.evaluate(fitting))
+    page.set_viewport_size({"width": 1100, "height": 1700})
+    try:
+        page.wait_for_function(f"() => {list(CHARTS)}.every(id => window.relayouts[id] >= 1)", timeout=10_000)
+        assert all(page.evaluate(fitting))
+    finally:
+        page.set_viewport_size({"width": 1500, "height": 1700})
+
+
 def test_presenter_view_keys_and_the_same_run_across_switches(console, page):
     """A projector at 1280x720: ?view=present keeps the two panels (large, side by side), the legend and three
     headline figures; Enter runs, Escape stops; leaving and re-entering the view does not disturb the run."""

@@ -5,6 +5,7 @@ is made once per machine (`.ci/setup test` makes it; here ensure_built() finds i
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.page import console_servers
 from engine.events import TokenEvent
 from engine.llamacpp import native
 from engine.llamacpp import server as llamacpp_server
@@ -74,7 +76,8 @@ def test_the_build_has_what_runs_here_and_nothing_that_faults(build, smol):
     assert "AVX2" in printed and printed & named == set(build.features) & named, line
 
 
-def test_the_managed_engines_run_this_build_and_say_so(build, smol, tmp_path):
+def test_the_managed_engines_run_this_build_and_say_so(build, smol, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="engine.llamacpp.server")
     chosen = choose_build("auto")
     assert chosen.binary == build.binary and "built here for" in chosen.description
     config = EngineConfig("speculative", smol, "draft", draft=smol, k=4, threads=1)
@@ -89,6 +92,8 @@ def test_the_managed_engines_run_this_build_and_say_so(build, smol, tmp_path):
         spec = list(backend.speculative(req))[-1]
         assert [t.token_id for t in spec.tokens] == [t.token_id for t in plain.tokens]
         assert spec.metrics.drafted > 0  # llama-server really drafted (with its draft model, K=4)
+        # benchmarks.page attaches its API to the servers a console started, read from the console's log
+        assert console_servers(caplog.text) == [backend.urls["baseline"], backend.urls["speculative"]]
     finally:
         backend.close()
     assert not any(e.alive() for e in backend.servers)
