@@ -47,7 +47,7 @@ function purgeLeftGraphs() {
 
 // Gradio's plot component follows each new value (Plotly.react) with Plotly.Plots.resize, which lays the chart out
 // and draws it again 100 ms later, even where its size has not changed: the charts, the page's largest cost, drawn
-// twice (docs/page-cost.md). The resize goes ahead where the chart no longer fits its box (a wider window).
+// twice (docs/page-cost.md). The resize goes ahead where the chart no longer fits its box (the window resized).
 const RESIZE_DEBOUNCE_MS = 100;  // plotly's own
 function fits(gd) {
   const layout = gd._fullLayout, box = gd.isConnected && window.getComputedStyle(gd);
