@@ -12,7 +12,7 @@ both phases build the same backend the same way (specconsole.backends.backend_ho
 The console (launch.py on a free loopback port, a fresh history file) builds its backend, and Debian's Chromium shows
 it. The API (specconsole.runner.Comparison, fair mode, no page, as `launch.py demo` drives it) runs in this process:
 - with servers (llama.cpp, vLLM) it attaches to the console's own (--llamacpp-attach, --vllm-attach), so that the page
-  and the API drive the very same server processes: two llama-servers of one build and one model decoded 10 % apart
+  and the API drive the very same server processes: two llama-servers of one build and one model decoded 7-11 % apart
   here, by the order in which they had started (docs/page-cost.md, "The same servers for the page and the API");
 - the local engines, which run in an engine process the console owns (engine.process), are built a second time, the
   same way, in an engine process of the API's own.
