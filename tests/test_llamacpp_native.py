@@ -25,7 +25,7 @@ from engine.llamacpp import native
 from engine.llamacpp import server as llamacpp_server
 from engine.llamacpp.backend import LlamaCppBackend
 from engine.llamacpp.server import (WHEEL, EngineConfig, LlamaCppEngine, LlamaCppError, ServerBuild,
-                                    choose_build, parse_method, server_args)
+                                    choose_build, huge_pages_note, parse_method, server_args)
 from engine.loading.weights import gguf_model
 from engine.request import Request
 from engine.serving.counters import counters_delta
@@ -80,6 +80,7 @@ def test_the_managed_engines_run_this_build_and_say_so(build, smol, tmp_path, ca
     caplog.set_level(logging.INFO, logger="engine.llamacpp.server")
     chosen = choose_build("auto")
     assert chosen.binary == build.binary and "built here for" in chosen.description
+    assert chosen.description.endswith(huge_pages_note()) and "transparent huge pages" in chosen.description
     config = EngineConfig("speculative", smol, "draft", draft=smol, k=4, threads=1)
     args = server_args(config)
     assert args[args.index("--spec-type") + 1] == "draft-simple" and args[args.index("--spec-draft-n-max") + 1] == "4"
@@ -192,6 +193,21 @@ def test_a_users_own_binary_is_run_and_named(build, smol, tmp_path, monkeypatch)
         llamacpp_host(Namespace(**{**vars(args), "llamacpp_server": str(tmp_path / "missing")}))
 
 
+@pytest.mark.parametrize("setting, note", [
+    ("always [madvise] never", "; transparent huge pages madvise: llama.cpp runs without them"),
+    ("[always] madvise never", "; transparent huge pages always: llama.cpp runs in them"),
+    ("always madvise [never]", "; transparent huge pages never: llama.cpp runs without them"),
+    (None, ""),  # no such file: a kernel without transparent huge pages, or not Linux
+])
+def test_the_build_says_whether_llama_cpp_gets_huge_pages(tmp_path, setting, note):
+    """llama.cpp asks for no huge pages: its memory gets them only where the system's setting is `always`, which made
+    its decoding 1.13-1.20x faster on our Intel Xeon. The status line says which holds here."""
+    path = tmp_path / "enabled"
+    if setting is not None:
+        path.write_text(setting + "\n")
+    assert huge_pages_note(path) == note
+
+
 def test_a_binarys_version_line_is_bounded(tmp_path):
     """It goes into the status line (which escapes it, specconsole.app): a binary of the user's says what it likes."""
     from engine.llamacpp.server import VERSION_CHARS, binary_version
@@ -273,7 +289,8 @@ def test_without_a_compiler_the_wheel_serves_and_says_why(monkeypatch, tmp_path)
     monkeypatch.delenv("CXX", raising=False)
     chosen = choose_build("auto")
     assert chosen.wheel
-    assert chosen.description == f"{WHEEL}: no build for this CPU here (no C++ compiler (g++) is installed)"
+    assert chosen.description == (f"{WHEEL}: no build for this CPU here (no C++ compiler (g++) is installed)"
+                                  + huge_pages_note())
     assert choose_build("wheel").wheel
 
 
