@@ -23,6 +23,7 @@ NOISY_CORES = 0.1
 # before a timed pass that follows the page's drawing: how long other processes must take no CPU, and the longest wait
 QUIET_WINDOW_S = 0.02
 QUIET_LIMIT_S = 0.2
+IDLE_COUNT_S = 1 / os.sysconf("SC_CLK_TCK")  # the unit in which Linux reports the CPUs' idle time (10 ms)
 PIPE = "engine-pipe"  # the thread name of an engine process's pipe reader in this process
 
 
@@ -38,8 +39,8 @@ class ConsoleWork:
       the engine threads start work in them;
     - per engine, the CPU time of other processes (a browser showing the page) during that engine's passes: a
       disturbance that lands on one engine's passes more than on the other's biases the speedup, not only the
-      speeds. Linux counts CPU time in ticks (10 ms), so one pass reads coarsely; summed over a run's passes the
-      figure is unbiased."""
+      speeds. Linux reports the machine's idle time in counts of 10 ms, so one pass reads coarsely; summed over a
+      run's passes the figure is unbiased."""
 
     def __init__(self, servers: list[psutil.Process] | None = None):
         self.engine_ids: set[int] = set()
@@ -87,10 +88,10 @@ class ConsoleWork:
         if self._outside is not None:
             engine, wall, outside = self._outside
             self.passes_s[engine] = self.passes_s.get(engine, 0.0) + time.perf_counter() - wall
-            # Summed as read, negative steps too: the counters of the machine (ticks) and of the processes (their
-            # threads' run time, brought up to date when they stop or a tick lands) disagree over one short pass
-            # either way, and cutting off the negative side would count a quiet run as busy. Only the sum over the
-            # run is read, and it is unbiased.
+            # Summed as read, negative steps too: the counters of the machine (idle time in counts of 10 ms) and of
+            # the processes (their threads' run time, brought up to date when they stop or a tick lands) disagree
+            # over one short pass either way, and cutting off the negative side would count a quiet run as busy.
+            # Only the sum over the run is read, and it is unbiased.
             self.others_s[engine] = self.others_s.get(engine, 0.0) + self._outside_console_s() - outside
             self._outside = None
 
@@ -107,7 +108,7 @@ class ConsoleWork:
         while time.perf_counter() - start < QUIET_LIMIT_S:
             time.sleep(QUIET_WINDOW_S)
             now = self._outside_console_s()
-            if now <= last:  # Linux counts in ticks of 10 ms: no tick went to another process in the window
+            if now - last < IDLE_COUNT_S:  # others took no CPU in the window, to the idle count's resolution
                 self.quiet_misses = 0
                 return
             last = now
@@ -115,21 +116,23 @@ class ConsoleWork:
         self.quiet_given_up = self.quiet_misses >= 2
 
     def others_in_passes(self) -> dict[str, float]:
-        """Per engine: other processes' CPU use (cores) during its timed passes (never below zero: ticks and
-        processes' clocks disagree over short passes either way; and a server that ends during a pass takes its
+        """Per engine: other processes' CPU use (cores) during its timed passes (never below zero: the machine's and
+        the processes' clocks disagree over short passes either way; and a server that ends during a pass takes its
         whole CPU time out of the engines' count, which then reads as others')."""
         return {e: round(max(0.0, self.others_s[e]) / max(s, 1e-6), 3) for e, s in self.passes_s.items()}
 
 
 def _busy_s() -> float:
-    """CPU seconds the whole machine has spent busy since boot."""
-    t = psutil.cpu_times()
-    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+    """CPU seconds the whole machine has spent busy: its CPUs' time less their idle time. Linux measures idle time
+    exactly (from each entry into idle to its exit) and reports it in counts of IDLE_COUNT_S; the busy categories
+    are sampled at the timer's ticks, too coarse for passes of a few milliseconds: summed over a run of such passes,
+    their sampling error alone read as a tenth of a core taken by others on a quiet machine."""
+    cpus = psutil.cpu_times(percpu=True)
+    return len(cpus) * time.monotonic() - sum(c.idle + getattr(c, "iowait", 0.0) for c in cpus)
 
 
 def _own_s() -> float:
-    t = psutil.Process().cpu_times()
-    return t.user + t.system
+    return time.process_time()
 
 
 def _servers() -> list[psutil.Process]:
@@ -139,13 +142,13 @@ def _servers() -> list[psutil.Process]:
 
 
 def _servers_s(servers: list[psutil.Process]) -> dict[int, float]:
-    """CPU seconds of each of `servers`."""
+    """CPU seconds of each of `servers`, to the nanosecond (Linux's process CPU clock,
+    MAKE_PROCESS_CPUCLOCK(pid, SCHED); /proc/<pid>/stat counts in 10 ms)."""
     out = {}
     for p in servers:
         try:
-            t = p.cpu_times()
-            out[p.pid] = t.user + t.system
-        except psutil.NoSuchProcess:
+            out[p.pid] = time.clock_gettime(((~p.pid) << 3) | 2)
+        except OSError:  # it ended
             pass
     return out
 

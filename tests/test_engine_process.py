@@ -189,6 +189,10 @@ def test_a_cpu_hog_during_the_passes_marks_the_run_noisy_and_a_quiet_run_is_not(
     engines = wider
     req = request(max_new=200, method="draft", dynamic_k=False, k=3)
     quiet = run_to_end(Comparison(engines, req, "fair", None, {}))
+    if quiet.machine["noisy"]:
+        # a machine with nothing else to do still runs its daemons: a blip that falls in the passes is real noise,
+        # rightly reported; a reading that counts the console's own work (the fault this test is for) repeats
+        quiet = run_to_end(Comparison(engines, req, "fair", None, {}))
     # outside the console's process tree (each started by a process that ends at once), as a compile or another
     # program would be: the console's own children are its engines
     spin = "import time\nend = time.time() + 60\nwhile time.time() < end: pass"
