@@ -27,9 +27,10 @@ IDLE_COUNT_S = 1 / os.sysconf("SC_CLK_TCK")  # the unit in which Linux reports t
 PIPE = "engine-pipe"  # the thread name of an engine process's pipe reader in this process
 
 
-def _thread_cpu_s(native_id: int) -> float:
-    """CPU seconds of one thread of this process (Linux's per-thread CPU clock: MAKE_THREAD_CPUCLOCK(tid, SCHED))."""
-    return time.clock_gettime(((~native_id) << 3) | 6)
+def _cpu_clock_s(ident: int, thread: bool = False) -> float:
+    """CPU seconds, to the nanosecond, of the process `ident` or (thread=True) of this process's thread `ident` (its
+    native id): Linux's CPU clocks, MAKE_PROCESS_CPUCLOCK(pid, SCHED) and MAKE_THREAD_CPUCLOCK(tid, SCHED)."""
+    return time.clock_gettime(((~ident) << 3) | (6 if thread else 2))
 
 
 class ConsoleWork:
@@ -63,7 +64,7 @@ class ConsoleWork:
             # the engine process's pipe reader (engine.process.client) hands the engines' events over: engine work
             if t.native_id is not None and t.native_id not in self.engine_ids and not t.name.startswith(PIPE):
                 try:
-                    total += _thread_cpu_s(t.native_id)
+                    total += _cpu_clock_s(t.native_id, thread=True)
                 except (OSError, AttributeError):  # the thread ended meanwhile; no such clock (not Linux): 0
                     pass
         return total
@@ -142,12 +143,11 @@ def _servers() -> list[psutil.Process]:
 
 
 def _servers_s(servers: list[psutil.Process]) -> dict[int, float]:
-    """CPU seconds of each of `servers`, to the nanosecond (Linux's process CPU clock,
-    MAKE_PROCESS_CPUCLOCK(pid, SCHED); /proc/<pid>/stat counts in 10 ms)."""
+    """CPU seconds of each of `servers`, from their CPU clocks (/proc/<pid>/stat counts in 10 ms)."""
     out = {}
     for p in servers:
         try:
-            out[p.pid] = time.clock_gettime(((~p.pid) << 3) | 2)
+            out[p.pid] = _cpu_clock_s(p.pid)
         except OSError:  # it ended
             pass
     return out
