@@ -59,12 +59,51 @@ function drawChartsOnce() {
   if (!plots || plots.resize.onlyWhereNeeded) return;
   const resize = plots.resize;
   plots.resize = (gd) => new Promise((done) => setTimeout(
-    () => (fits(gd) ? done(gd) : resize(gd).then(done, done)), RESIZE_DEBOUNCE_MS));
+    () => (fits(gd) || unseen.has(gd) ? done(gd) : resize(gd).then(done, done)), RESIZE_DEBOUNCE_MS));
   plots.resize.onlyWhereNeeded = true;
+}
+
+// A chart out of view (below the fold, or on a tab not shown) is drawn when it comes into view, with its latest
+// update: the token panels and figures fill a laptop's screen, and drawing the charts below them was the browser's
+// largest cost during a short run, for nothing the user saw (docs/page-cost.md). A chart in view is drawn at once.
+const unseen = new Map();  // graph div -> the arguments of its latest Plotly.react, not drawn yet
+function inView(gd) {
+  const box = gd.getBoundingClientRect();
+  return box.bottom > 0 && box.top < window.innerHeight && box.right > 0 && box.left < window.innerWidth;
+}
+function drawChartsWhenSeen() {
+  const plotly = window.Plotly;
+  if (!plotly || plotly.react.whenSeen) return;
+  const react = plotly.react;
+  const seen = new IntersectionObserver((entries) => {
+    for (const entry of entries) {
+      const args = entry.isIntersecting && unseen.get(entry.target);
+      if (!args) continue;
+      unseen.delete(entry.target);
+      seen.unobserve(entry.target);
+      entry.target.style.minHeight = '';
+      react(...args);
+    }
+  });
+  plotly.react = (gd, ...rest) => {
+    for (const old of unseen.keys()) if (!old.isConnected) { unseen.delete(old); seen.unobserve(old); }
+    if (!gd.isConnected || inView(gd)) {
+      unseen.delete(gd);
+      seen.unobserve(gd);
+      gd.style.minHeight = '';
+      return react(gd, ...rest);
+    }
+    unseen.set(gd, [gd, ...rest]);
+    gd.style.minHeight = `${rest[1]?.height || 0}px`;  // its place kept: the page below does not jump when it draws
+    seen.observe(gd);
+    return Promise.resolve(gd);
+  };
+  plotly.react.whenSeen = true;
 }
 
 function apply() {
   drawChartsOnce();
+  drawChartsWhenSeen();
   if (!props.value) return;
   const update = JSON.parse(props.value);
   for (const [engine, m] of Object.entries(update.panels)) {

@@ -24,6 +24,10 @@ if not os.path.exists(CHROMIUM):
     skip_or_fail("Debian's chromium is not installed", module=True)
 
 
+VIEWPORT = {"width": 1500, "height": 1700}
+WHOLE_PAGE = {"width": 1500, "height": 3400}  # tall enough for the whole Run tab, charts and all
+
+
 @pytest.fixture(scope="module")
 def console(tmp_path_factory, smol_dir):
     db = tmp_path_factory.mktemp("db") / "history.db"
@@ -58,7 +62,7 @@ def page():
 
     with sync_playwright() as pw:
         browser = launch_chromium(pw)
-        context = browser.new_context(viewport={"width": 1500, "height": 1700}, accept_downloads=True)
+        context = browser.new_context(viewport=VIEWPORT, accept_downloads=True)
         yield context.new_page()
         browser.close()
 
@@ -83,6 +87,11 @@ def wait_for_run(page) -> None:
     for panel in ("#baseline-panel", "#speculative-panel"):
         page.wait_for_selector(f"{panel} .panel-status:has-text('tokens')", timeout=180_000)
     page.wait_for_selector("#figures:has-text('machine during the run')", timeout=60_000)
+
+
+def show_charts(page) -> None:
+    """Scroll the charts into view: a chart out of view is drawn when it comes into view (assets/live_panel.js)."""
+    page.locator("#chart-steps").evaluate("chart => chart.scrollIntoView()")
 
 
 def test_the_page_comes_with_an_example_and_keeps_what_is_typed_at_once(console, page):
@@ -132,6 +141,7 @@ def test_run_history_and_csv(console, page, tmp_path):
     split = " | ".join(f"{getattr(spec, k) / 1000:.2f}" for k in ("drafting_ms", "verifying_ms", "other_ms"))
     assert re.search(r"time: drafting \| target passes \| other \(s\)\s+" + re.escape(split), figures)
     # the tokens chart has drawn a line per engine; the time chart a row per engine, each with its passes
+    show_charts(page)
     expect(page.locator("#chart-tokens g.trace.scatter")).to_have_count(2, timeout=30_000)
     assert page.locator("#chart-steps g.trace.bars").count() >= 1
     passes = {e: len(r.steps) for e, r in saved.results(saved.runs()[0]["id"]).items()}
@@ -216,8 +226,12 @@ def test_live_panels_append_and_charts_throttle(console, page):
     page.evaluate(TAG_FIRST_TOKENS)
     page.evaluate(WATCH_FIGURES)
     start = page.evaluate("performance.now()")
-    page.click("#run")
-    wait_for_run(page)
+    page.set_viewport_size(WHOLE_PAGE)  # the charts in view, drawn as their updates come, while the figures fill in
+    try:
+        page.click("#run")
+        wait_for_run(page)
+    finally:
+        page.set_viewport_size(VIEWPORT)
     end = page.evaluate("performance.now()")
     # the histogram and the time split grew with the run, not only at its end
     for label, values in page.evaluate("window.seen").items():
@@ -293,21 +307,53 @@ def test_each_chart_update_is_drawn_once_and_a_resized_window_redraws_them(conso
     open_console(page, url)
     set_run(page, "Write a short poem about the sea.", 48)
     page.wait_for_function("() => window.Plotly && window.Plotly.react")
-    page.evaluate(WATCH_RELAYOUTS)
-    page.click("#run")
-    wait_for_run(page)
-    page.wait_for_timeout(500)  # past plotly's resize debounce after the end's chart update
-    assert page.evaluate("window.relayouts") == {}
-    fitting = f"""() => {list(CHARTS)}.map(id => {{
-        const gd = document.querySelector('#' + id + ' .js-plotly-plot');
-        return Math.abs(gd._fullLayout.width - parseFloat(getComputedStyle(gd).width)) <= 1; }})"""
-    assert all(page.evaluate(fitting))
-    page.set_viewport_size({"width": 1100, "height": 1700})
+    page.set_viewport_size(WHOLE_PAGE)  # the charts in view
     try:
+        page.wait_for_timeout(500)  # past plotly's resize debounce after the window grew
+        page.evaluate(WATCH_RELAYOUTS)
+        page.click("#run")
+        wait_for_run(page)
+        page.wait_for_timeout(500)  # past plotly's resize debounce after the end's chart update
+        assert page.evaluate("window.relayouts") == {}
+        fitting = f"""() => {list(CHARTS)}.map(id => {{
+            const gd = document.querySelector('#' + id + ' .js-plotly-plot');
+            return Math.abs(gd._fullLayout.width - parseFloat(getComputedStyle(gd).width)) <= 1; }})"""
+        assert all(page.evaluate(fitting))
+        page.set_viewport_size({"width": 1100, "height": WHOLE_PAGE["height"]})
         page.wait_for_function(f"() => {list(CHARTS)}.every(id => window.relayouts[id] >= 1)", timeout=10_000)
         assert all(page.evaluate(fitting))
     finally:
-        page.set_viewport_size({"width": 1500, "height": 1700})
+        page.set_viewport_size(VIEWPORT)
+
+
+def test_charts_out_of_view_are_drawn_when_they_come_into_view(console, page):
+    """Below the fold the charts' drawing was the browser's largest cost during a short run, for nothing the user
+    saw: a chart out of view is not drawn until it comes into view, and then with the run's last update."""
+    from playwright.sync_api import expect
+
+    url, db = console
+    open_console(page, url)
+    set_run(page, "Write a short poem about the sea.", 24)
+    page.click("#run")
+    wait_for_run(page)
+    page.wait_for_timeout(500)  # past plotly's resize debounce after the end's chart update
+    tops = page.evaluate("() => [...document.querySelectorAll('[id^=chart-]')].map(c => c.getBoundingClientRect().top)")
+    assert len(tops) == 4 and min(tops) > VIEWPORT["height"], f"the charts are in view: {tops}"
+    assert page.locator("#chart-tokens g.trace.scatter").count() == 0  # not drawn: out of view
+    # their places are kept: the page does not jump when they draw
+    heights = page.evaluate("() => [...document.querySelectorAll('[id^=chart-] [data-testid=plotly]')]"
+                            ".map(gd => gd.getBoundingClientRect().height)")
+    assert len(heights) == 4 and min(heights) >= 250, heights
+    show_charts(page)
+    expect(page.locator("#chart-tokens g.trace.scatter")).to_have_count(2, timeout=10_000)
+    # drawn with the run's last update: each engine's line has one point per output token
+    conn = sqlite3.connect(db)
+    tokens = dict(conn.execute("SELECT engine, count(*) FROM tokens WHERE run_id = (SELECT id FROM runs ORDER BY "
+                               "created_at DESC, rowid DESC LIMIT 1) AND kind != 'rejected' GROUP BY engine"))
+    conn.close()
+    points = page.evaluate("""() => document.querySelector('#chart-tokens .js-plotly-plot').data
+                                  .map(trace => [trace.name, trace.x.length])""")
+    assert dict(points) == tokens, (points, tokens)
 
 
 def test_presenter_view_keys_and_the_same_run_across_switches(console, page):
@@ -355,7 +401,7 @@ def test_presenter_view_keys_and_the_same_run_across_switches(console, page):
         for panel in ("#baseline-panel", "#speculative-panel"):
             page.wait_for_selector(f"{panel} .panel-status:has-text('cancelled')", timeout=120_000)
     finally:
-        page.set_viewport_size({"width": 1500, "height": 1700})
+        page.set_viewport_size(VIEWPORT)
 
 
 def test_history_exports_a_replay_of_the_selected_run(console, page, tmp_path):
@@ -453,6 +499,7 @@ def test_nway_comparison_fills_a_panel_per_engine(console, page):
     rows = page.locator("#figures .engines-table tbody tr")
     expect(rows).to_have_count(3)
     assert "n-gram K=2" in rows.nth(2).inner_text() and "identical" in rows.nth(2).inner_text()
+    show_charts(page)
     expect(page.locator("#chart-tokens g.trace.scatter")).to_have_count(3, timeout=30_000)
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "console-nway.png"), full_page=True)

@@ -131,7 +131,8 @@ def test_the_page_does_not_keep_the_charts_it_replaced(console, browser, monkeyp
 
     monkeypatch.setattr(run_stream, "CHART_EVERY_S", 0.5)  # several chart updates a run
     url, _ = console
-    page = browser.new_context(viewport={"width": 1500, "height": 1700}).new_page()
+    # tall enough for the charts to be in view, and drawn (a chart out of view is drawn once it comes into view)
+    page = browser.new_context(viewport={"width": 1500, "height": 3400}).new_page()
     page.goto(url)
     page.wait_for_selector("#model-status:has-text('Ready')", timeout=60_000)
     set_run(page, PROMPT, NEW_TOKENS)
