@@ -75,24 +75,17 @@ function drawChartsWhenSeen() {
   const plotly = window.Plotly;
   if (!plotly || plotly.react.whenSeen) return;
   const react = plotly.react;
+  const forget = (gd) => { unseen.delete(gd); seen.unobserve(gd); };
+  const draw = (gd, ...rest) => { forget(gd); gd.style.minHeight = ''; return react(gd, ...rest); };
   const seen = new IntersectionObserver((entries) => {
     for (const entry of entries) {
       const args = entry.isIntersecting && unseen.get(entry.target);
-      if (!args) continue;
-      unseen.delete(entry.target);
-      seen.unobserve(entry.target);
-      entry.target.style.minHeight = '';
-      react(...args);
+      if (args) draw(...args);
     }
   });
   plotly.react = (gd, ...rest) => {
-    for (const old of unseen.keys()) if (!old.isConnected) { unseen.delete(old); seen.unobserve(old); }
-    if (!gd.isConnected || inView(gd)) {
-      unseen.delete(gd);
-      seen.unobserve(gd);
-      gd.style.minHeight = '';
-      return react(gd, ...rest);
-    }
+    for (const old of unseen.keys()) if (!old.isConnected) forget(old);
+    if (!gd.isConnected || inView(gd)) return draw(gd, ...rest);
     unseen.set(gd, [gd, ...rest]);
     gd.style.minHeight = `${rest[1]?.height || 0}px`;  // its place kept: the page below does not jump when it draws
     seen.observe(gd);
