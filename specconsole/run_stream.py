@@ -24,9 +24,13 @@ from specconsole.runner import Comparison
 # second; plotly re-lays out a whole chart per update, the browser's largest cost (docs/page-cost.md), so charts
 # every 10 s and at the end.
 PANEL_S_PER_ENGINE = 0.15
-# where every update lands in an engine's timed run (race mode, turns that are whole runs: llama.cpp and vLLM servers
-# on shared cores), at most two a second: the browser's work grows with the updates, not with their tokens
+# where every update lands in an engine's timed run, fewer: the browser's work grows with the updates, not with their
+# tokens. Engines at once (race mode, servers that own their cores): at most two a second. Fair turns of a whole run
+# each (llama.cpp and vLLM servers sharing the cores): one every PANEL_IN_WHOLE_RUN_S, so that the figures the page
+# shows are the ones to quote: at two a second llama.cpp's plain server ran at 0.95 of its API speed in the page, its
+# two threads filling both cores (docs/page-cost.md, "A whole run timed in the page")
 PANEL_WHILE_TIMED_S = 0.5
+PANEL_IN_WHOLE_RUN_S = 2.5
 FIGURES_EVERY_S = 1.0
 CHART_EVERY_S = 10.0
 SETTLE_S = 0.05  # after an update is handed to Gradio, before the next timed pass may start
@@ -69,8 +73,12 @@ def notices(engines, message: str) -> str | None:
     return feed_of(dict.fromkeys(engines, message))
 
 
-def _panel_note(result) -> str:
-    note = f"{result.finish_reason} · {len(result.output_tokens)} tokens" if result.finish_reason else "running…"
+def _panel_note(result, pace: float | None = None) -> str:
+    """The line under a panel. `pace`: the seconds between updates where the page shows a timed run only that often."""
+    if result.finish_reason:
+        note = f"{result.finish_reason} · {len(result.output_tokens)} tokens"
+    else:
+        note = "running…" if pace is None else f"running… · shown every {pace:g} s, to stay out of its timed run"
     if speculation_idle(result):
         note += (f" · no drafts in its first {IDLE_CHECK_PASSES} target passes: speculation is off, or its drafter "
                  "finds nothing to propose here")
@@ -83,10 +91,10 @@ def _save_note(comp: Comparison) -> str:
 
 
 def panel_interval(comp: Comparison) -> float:
-    """Seconds between two updates of the panels: PANEL_S_PER_ENGINE per panel, and at least PANEL_WHILE_TIMED_S
-    where the updates land in timed runs."""
-    every = PANEL_S_PER_ENGINE * len(comp.engines)
-    return max(every, PANEL_WHILE_TIMED_S) if comp.timed_while_streaming else every
+    """Seconds between two updates of the panels: PANEL_S_PER_ENGINE per panel, and where the updates land in timed
+    runs at least PANEL_WHILE_TIMED_S (engines at once) or PANEL_IN_WHOLE_RUN_S (fair turns of a whole run)."""
+    least = {"alternate": 0.0, "parallel": PANEL_WHILE_TIMED_S, "sequential": PANEL_IN_WHOLE_RUN_S}[comp.strategy]
+    return max(PANEL_S_PER_ENGINE * len(comp.engines), least)
 
 
 def hand_over(comp: Comparison, update):
@@ -105,6 +113,7 @@ def stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
     until it ends. In fair mode each next timed pass waits until the last update was handed over (hand_over)."""
     feeds = {e: PanelFeed(panel_run, show_rejected and e != "baseline") for e in comp.engines}
     every = panel_interval(comp)
+    pace = every if comp.strategy == "sequential" else None  # said in the panels: a whole run is shown that seldom
     # no chart update as the run begins (there is nothing to chart yet, and the charts' drawing was the
     # browser's largest single cost): the page fades the last run's charts until the first, CHART_EVERY_S in
     last_panel = last_figures = 0.0
@@ -120,7 +129,7 @@ def stream(comp: Comparison, panel_run: str, mode: str, show_rejected: bool):
         with comp.ui_lock:  # in fair mode: never while an engine's pass is being timed
             comp.page_idle.clear()  # and the next pass waits until this update was handed over (below)
             results = comp.results
-            panels = {e: feeds[e].message(results[e].tokens, _panel_note(results[e]), results[e].error,
+            panels = {e: feeds[e].message(results[e].tokens, _panel_note(results[e], pace), results[e].error,
                                           final=done) for e in comp.engines}
             if figures_due:
                 s = results["speculative"]

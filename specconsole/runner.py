@@ -166,12 +166,6 @@ class Comparison:
         "parallel" (all at once: race mode, or a backend whose engines own their cores)."""
         return self.backend.capabilities.fair_strategy if self.mode == "fair" else "parallel"
 
-    @property
-    def timed_while_streaming(self) -> bool:
-        """Engines at once, or one whole run after the other: the page's updates cannot wait for a pass to end, so
-        each of them lands in an engine's timed run (specconsole.run_stream sends fewer)."""
-        return self.strategy != "alternate"
-
     def start(self) -> None:
         self.load = MachineLoad()
         if self.history is not None:

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -75,6 +76,32 @@ def test_greedy_baseline_vs_speculative_through_the_protocol(managed):
             assert not any(isinstance(e, Reclassified) for e in events)
             assert all(t.kind != TokenKind.PENDING and not t.provisional for t in tokens)
             assert base.metrics.tokens_per_s > 0 and spec.metrics.tokens_per_s > 0
+
+
+def test_the_page_updates_a_whole_run_turn_only_every_few_seconds(managed):
+    """In fair mode llama.cpp's servers take turns of a whole run each, so every update the page sends lands in a
+    timed run (docs/page-cost.md: at two a second the plain server ran at 0.95 of its API speed in the page): the
+    page's updates come at most one per PANEL_IN_WHOLE_RUN_S until the run ends, and the panels say so."""
+    from specconsole.run_stream import PANEL_IN_WHOLE_RUN_S, stream
+    from specconsole.runner import Comparison
+
+    comp = Comparison(managed, Request(prompt="Count from 1 to 200, one number per line.", max_new_tokens=400),
+                      "fair", None, {})
+    assert comp.strategy == "sequential"
+    sent, feeds = [], []
+    for update in stream(comp, "r", "fair", show_rejected=False):
+        sent.append(time.monotonic())
+        feeds.append(update[0])
+    results = comp.results
+    assert all(r.finish_reason and r.error is None for r in results.values())
+    gaps = [b - a for a, b in zip(sent, sent[1:-1])]  # the last one is the run's end
+    assert gaps, f"the run ({results['baseline'].total_s:.1f} s) was too short to see the pace"
+    # each update is sent PANEL_IN_WHOLE_RUN_S after the last began to be built (building one takes milliseconds)
+    assert min(gaps) >= PANEL_IN_WHOLE_RUN_S - 0.2
+    statuses = [panel["status"] for feed in feeds[:-1] if isinstance(feed, str)
+                for panel in json.loads(feed)["panels"].values()]
+    running = [s for s in statuses if s.startswith("running")]  # the others: an engine that finished
+    assert running and all(f"shown every {PANEL_IN_WHOLE_RUN_S:g} s" in s for s in running)
 
 
 def test_marks_agree_with_the_engines_own_counts(managed):
