@@ -73,12 +73,17 @@ def notices(engines, message: str) -> str | None:
     return feed_of(dict.fromkeys(engines, message))
 
 
-def _panel_note(result, pace: float | None = None) -> str:
-    """The line under a panel. `pace`: the seconds between updates where the page shows a timed run only that often."""
+def panel_status(result, pace: float | None = None) -> str:
+    """How a panel's run stands: how it finished, or that it runs. `pace`: the seconds between updates where the page
+    shows a timed run only that often."""
     if result.finish_reason:
-        note = f"{result.finish_reason} · {len(result.output_tokens)} tokens"
-    else:
-        note = "running…" if pace is None else f"running… · shown every {pace:g} s, to stay out of its timed run"
+        return f"{result.finish_reason} · {len(result.output_tokens)} tokens"
+    return "running…" if pace is None else f"running… · shown every {pace:g} s, to stay out of its timed run"
+
+
+def _panel_note(result, pace: float | None = None) -> str:
+    """The line under a panel: its status, and why its run drafts nothing where it does not."""
+    note = panel_status(result, pace)
     if speculation_idle(result):
         note += (f" · no drafts in its first {IDLE_CHECK_PASSES} target passes: speculation is off, or its drafter "
                  "finds nothing to propose here")

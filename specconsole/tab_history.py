@@ -17,7 +17,7 @@ from specconsole.replay import UnknownRun, write_replay
 from specconsole.history import History, HistoryError
 from specconsole.markup import md
 from specconsole.render import engines_html, figures_html, tokens_html
-from specconsole.run_stream import figures_for, rolling_acceptance
+from specconsole.run_stream import figures_for, panel_status, rolling_acceptance
 from specconsole.suites import categories
 
 HISTORY_COLUMNS = [c.header for c in LIST]
@@ -81,8 +81,7 @@ def view(results: dict, comparison: dict, mode: str, show_rejected: bool, saved:
         if r is None:
             panels.append(tokens_html([], status="no data"))
             continue
-        note = f"{r.finish_reason} · {len(r.output_tokens)} tokens" if r.finish_reason else "running…"
-        panels.append(tokens_html(r.tokens, show_rejected and engine == "speculative", r.error, note))
+        panels.append(tokens_html(r.tokens, show_rejected and engine == "speculative", r.error, panel_status(r)))
     main = ComparisonFigures.from_dict(comparison)
     figures = figures_html(b, s, main, mode, rolling_acceptance(s) if s else None, comparison)
     extra = [e for e in results if e not in ("baseline", "speculative")]
@@ -94,9 +93,8 @@ def view(results: dict, comparison: dict, mode: str, show_rejected: bool, saved:
         figures += engines_html(results, labels, comparisons, mode)
         for e in extra:
             r = results[e]
-            note = f"{r.finish_reason} · {len(r.output_tokens)} tokens" if r.finish_reason else "running…"
             figures += (f'<div class="history-extra" data-engine="{escape(e, quote=True)}"><b>{escape(labels[e])}'
-                        f'</b> — {escape(e)}{tokens_html(r.tokens, show_rejected, r.error, note)}</div>')
+                        f'</b> — {escape(e)}{tokens_html(r.tokens, show_rejected, r.error, panel_status(r))}</div>')
     return panels[0], panels[1], figures
 
 
