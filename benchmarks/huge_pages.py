@@ -1,7 +1,6 @@
 """The console's models with their weights where their stored forms load them (the target's mapped from its file,
 the draft's read into torch's memory, both in 4 KiB pages) against the same models moved into huge pages
-(engine.exact.huge_pages), in one process. The console moves the target's; the draft's row says what moving the
-draft's too would buy (it is not moved: see docs/memory.md).
+(engine.exact.huge_pages), in one process. The console moves both.
 
     python -m benchmarks.huge_pages                 # the default preset, 20 rounds
     python -m benchmarks.huge_pages --rounds 30 --burst 5

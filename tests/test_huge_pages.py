@@ -40,6 +40,22 @@ def test_moved_weights_give_the_same_bits_in_one_advised_mapping():
     assert torch.equal(forward(target, ids, new_cache(target), keep=5), before)
 
 
+def test_two_models_move_into_one_mapping_and_keep_their_bits():
+    """The console moves its target and its draft together."""
+    from tests.conftest import tiny_llama
+    from engine.exact.optimize import prepare_target
+
+    target = prepare_target(tiny_llama(512, seed=1), CPU, min_rows=1, precision="int8")
+    draft = prepare_target(tiny_llama(512, seed=2), CPU, min_rows=1, precision="int8")
+    ids = list(range(3, 40))
+    before = [forward(m, ids, new_cache(m), keep=5) for m in (target, draft)]
+    huge_pages.move(target, draft)
+    moved = huge_pages.read_in_full(target) + huge_pages.read_in_full(draft)
+    assert len({huge_pages.mapping(t.data_ptr()).get("range") for t in moved}) == 1
+    after = [forward(m, ids, new_cache(m), keep=5) for m in (target, draft)]
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+
+
 def test_a_tensor_shared_by_two_modules_stays_shared():
     a, b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
     b.weight = a.weight
@@ -62,9 +78,9 @@ def test_a_mapping_nobody_advised_is_not_marked():
 
 
 @pytest.mark.slow  # SmolLM2's int4 target and draft built, stored and read back: 40 s
-def test_the_int4_targets_weights_are_in_huge_pages_and_greedy_stays_exact(tmp_path, monkeypatch):
+def test_the_int4_target_and_its_draft_are_in_huge_pages_and_greedy_stays_exact(tmp_path, monkeypatch):
     """SmolLM2 as an int4 target drafting for itself, as the console loads it (built, then read back from its stored
-    form): the target's weights in one advised mapping, the draft's where its load put them, greedy still exact."""
+    form): the target's and the draft's weights in one advised mapping, greedy still exact."""
     from engine.exact import int8_store
     from engine.exact.backend import LocalBackend
     from engine.metrics import compare
@@ -77,11 +93,9 @@ def test_the_int4_targets_weights_are_in_huge_pages_and_greedy_stays_exact(tmp_p
     preset = custom_preset("smollm2-ngram", None, "smollm2-135m-instruct")
     for _ in range(2):
         backend = LocalBackend.from_preset(preset, precision="int4", calibrate=False)
-        target = huge_pages.read_in_full(backend.target.model)
-        assert len({huge_pages.mapping(t.data_ptr()).get("range") for t in target}) == 1
-        assert "hg" in huge_pages.mapping(target[0].data_ptr())["VmFlags"].split()
-        draft = huge_pages.read_in_full(backend.draft.model)
-        assert not any("hg" in huge_pages.mapping(t.data_ptr()).get("VmFlags", "").split() for t in draft)
+        weights = huge_pages.read_in_full(backend.target.model) + huge_pages.read_in_full(backend.draft.model)
+        assert len({huge_pages.mapping(t.data_ptr()).get("range") for t in weights}) == 1
+        assert "hg" in huge_pages.mapping(weights[0].data_ptr())["VmFlags"].split()
     req = Request(prompt=PROMPTS[0], max_new_tokens=24, drafting=Drafting(method="draft", k=3))
     assert compare(run(backend, req, "baseline"), run(backend, req, "speculative"), greedy=True).identical
 

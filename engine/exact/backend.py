@@ -80,8 +80,8 @@ class LocalBackend:
         huge = 0
         if dev.type == "cpu" and precision in ("int8", "int4"):
             # once both have loaded: the draft's loading peak is over before all the target's weights are resident
-            huge = huge_pages.move(backend.target.model)
-            log.info("the target: %.2f GB of its weights in huge pages", huge / 1e9)
+            huge = huge_pages.move(backend.target.model, *([backend.draft.model] if backend.draft else []))
+            log.info("the models: %.2f GB of their weights in huge pages", huge / 1e9)
         backend.precision, backend.precision_note = precision, why
         # the costs hold for these models in these forms on this kernel: a new form or kernel measures again
         backend.stored_as = backend.describe() | {"target": preset.target, "draft": preset.draft, "device": str(dev),
