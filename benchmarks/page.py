@@ -15,7 +15,9 @@ it. The API (specconsole.runner.Comparison, fair mode, no page, as `launch.py de
   and the API drive the very same server processes: two llama-servers of one build and one model decoded 7-11 % apart
   here, by the order in which they had started (docs/page-cost.md, "The same servers for the page and the API");
 - the local engines, which run in an engine process the console owns (engine.process), are built a second time, the
-  same way, in an engine process of the API's own.
+  same way, in an engine process of the API's own. Two engine processes of one preset decode a few per cent apart by
+  the order in which they started (the second faster, docs/page-cost.md, "Which engine process started first"), so
+  the sessions take turns: the console's first, then the API's first.
 The same comparison then runs `--runs` times in the page and `--runs` times through the API, in pairs (the order
 reversed on odd pairs, after a warm-up pair), so that the machine's drift falls on both alike. Each page run
 records the browser's CPU seconds per wall second (all its processes), the console process's, the engines'
@@ -41,7 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -294,9 +296,10 @@ def free_ports(n: int) -> list[int]:
 
 
 @contextmanager
-def api_session(args, console: Console):
-    """The backend the console builds, in this process (attached to the console's servers, where it has any);
-    yields a function that makes one run through its API (specconsole.runner.Comparison, fair mode, no page)."""
+def api_session(args, console: Console | None):
+    """The backend the console builds, in this process (attached to the `console`'s servers, where it has any; None:
+    the console is not started yet); yields a function that makes one run through its API
+    (specconsole.runner.Comparison, fair mode, no page)."""
     from specconsole import cli
     from specconsole.backends import backend_host
     from engine.request import build_request
@@ -308,14 +311,15 @@ def api_session(args, console: Console):
     cli.add_engine_args(p)
     cli.add_backend_args(p)
     before = {proc.pid for proc in psutil.Process().children(recursive=True)}  # the console and Chromium
-    host = backend_host(p.parse_args(launch_args(args, console.servers))).start()
+    servers = console.servers if console else []
+    host = backend_host(p.parse_args(launch_args(args, servers))).start()
     try:
         if not host.wait():
             raise RuntimeError(f"the API's backend did not load: {host.status()}")
         # The API's engines: the console's servers it attached to, or its own engine process. specconsole.machine
         # would take all of this process's children (the console and Chromium too) for the engines, and their work
         # then for the runs' own, not for a disturbance.
-        own = (console.process.children(recursive=True) if console.servers else
+        own = (console.process.children(recursive=True) if servers else
                [proc for proc in psutil.Process().children(recursive=True) if proc.pid not in before])
         machine_module._servers = lambda: [proc for proc in own if proc.is_running()]
         req = build_request(PROMPT, max_new_tokens=args.max_new_tokens, method=host.method)  # the page's defaults
@@ -339,11 +343,18 @@ def api_session(args, console: Console):
         host.close()
 
 
-def interleaved(args) -> tuple[list[dict], list[dict]]:
+def interleaved(args, api_first: bool = False) -> tuple[list[dict], list[dict]]:
     """`args.runs` runs in the page and as many through the API, in pairs, the order reversed on odd pairs, so that
-    the machine's drift over minutes falls on both alike; the first pair is a warm-up."""
+    the machine's drift over minutes falls on both alike; the first pair is a warm-up. `api_first`: the API's engine
+    process starts before the console's (local engines; servers are the console's, which the API attaches to)."""
     page, api = [], []
-    with page_session(args) as (console, page_run), api_session(args, console) as api_run:
+    with ExitStack() as stack:
+        if api_first:
+            api_run = stack.enter_context(api_session(args, None))
+            console, page_run = stack.enter_context(page_session(args))
+        else:
+            console, page_run = stack.enter_context(page_session(args))
+            api_run = stack.enter_context(api_session(args, console))
         for i in range(args.runs + 1):
             pair = [("page", page_run, page), ("API", api_run, api)]
             for name, run, rows in pair if i % 2 == 0 else pair[::-1]:
@@ -381,8 +392,11 @@ def main(argv=None) -> int:
         return 2
 
     page, api = [], []
-    for _ in range(args.sessions):
-        p_rows, a_rows = interleaved(args)
+    for session in range(args.sessions):
+        api_first = args.backend == "local" and session % 2 == 1
+        p_rows, a_rows = interleaved(args, api_first)
+        for row in p_rows + a_rows:
+            row["started_first"] = "API's" if api_first else "console's"
         page, api = page + p_rows, api + a_rows
     med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
     out = io.StringIO()
@@ -453,6 +467,15 @@ def main(argv=None) -> int:
         target = f"≤ {ceiling}" if floor is None else f"≥ {floor}" if ceiling is None else f"{floor}-{ceiling}"
         out.write(f"| {name} | {point:.3f} | [{low:.3f}, {high:.3f}] | {target} | "
                   f"{against_target(low, high, floor, ceiling)} |\n")
+    orders = sorted({r["started_first"] for r in page})
+    if len(orders) > 1:  # the local engines: one engine process each, their sessions taking turns to start first
+        for order in orders:
+            pairs = [(a, p) for a, p in zip(api, page) if p["started_first"] == order]
+            figures = [ratio_ci([a[key] for a, _ in pairs], [p[key] for _, p in pairs], paired=True)
+                       for key in ("baseline_tps", "speculative_tps")]
+            out.write(f"page / API where the {order} engine process started first ({len(pairs)} pairs), baseline / "
+                      "speculative tok/s: " + " / ".join(f"{m:.3f} [{lo:.3f}, {hi:.3f}]" for m, lo, hi in figures)
+                      + "\n")
     out.write("browser cores per run: " + ", ".join(f"{r['browser_cores']:.3f}" for r in page) + "\n")
     if all(r["others_baseline"] is not None for r in page):
         out.write("others during the baseline's / speculative engine's passes per page run: " + ", ".join(
